@@ -1,0 +1,180 @@
+"""The ``dspark`` command line: info, generate, profile, train, calibrate, bench, card, push, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DRAFTER = REPO_ROOT / "model_cards" / "dspark-smollm2-135m-instruct"
+DEFAULT_TRAIN_CONFIG = REPO_ROOT / "configs" / "dspark-smollm2-135m-instruct.yaml"
+
+
+def _load(args, need_drafter: bool = True):
+    from .model import DSparkDrafter
+    from .target import load_target
+
+    target, tokenizer = load_target(args.target)
+    drafter = None
+    if need_drafter:
+        path = args.drafter or DEFAULT_DRAFTER
+        if args.drafter is None and not Path(path).is_dir():
+            sys.exit(f"No drafter at {path}; pass --drafter PATH_OR_HUB_ID.")
+        drafter = DSparkDrafter.from_pretrained(path).bind(target).eval()
+    return target, tokenizer, drafter
+
+
+def cmd_info(args):
+    import torch
+    import transformers
+
+    from . import __version__
+    from .target import DEFAULT_TARGET_NAME, cache_root, default_target_dir, default_target_gguf
+
+    try:
+        gguf = str(default_target_gguf())
+    except (ModuleNotFoundError, FileNotFoundError) as err:
+        gguf = f"missing ({err})"
+    info = {
+        "dspark_hf": __version__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "default_target": DEFAULT_TARGET_NAME,
+        "default_target_gguf": gguf,
+        "default_target_cache": str(default_target_dir()),
+        "cache_root": str(cache_root()),
+        "default_drafter": str(DEFAULT_DRAFTER) if DEFAULT_DRAFTER.is_dir() else None,
+    }
+    print(json.dumps(info, indent=2) if args.json else "\n".join(f"{k}: {v}" for k, v in info.items()))
+
+
+def cmd_generate(args):
+    from transformers import TextStreamer
+
+    from .data import chat_ids
+    from .evaluation import timed_generate
+
+    target, tokenizer, drafter = _load(args)
+    prompt_ids = chat_ids(tokenizer, args.prompt)
+    settings = {"dspark_verification": args.verify, "dspark_block_size": args.gamma}
+    settings = {k: v for k, v in settings.items() if v is not None}
+    streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True)
+    run = timed_generate(target, prompt_ids, args.max_new_tokens, args.temperature, drafter, streamer, **settings)
+    result = {
+        "text": tokenizer.decode(run.tokens, skip_special_tokens=True),
+        "new_tokens": len(run.tokens),
+        "rounds": len(run.stats.rounds),
+        "tau": run.stats.tau,
+        "tokens_per_s": run.tokens_per_s,
+    }
+    if args.compare:
+        base = timed_generate(target, prompt_ids, args.max_new_tokens, args.temperature)
+        result |= {
+            "baseline_tokens_per_s": base.tokens_per_s,
+            "speedup": run.tokens_per_s / base.tokens_per_s,
+            "identical": base.tokens == run.tokens if args.temperature == 0 else None,
+        }
+    if args.json:
+        print(json.dumps(result))
+        return
+    summary = {k: v for k, v in result.items() if k != "text"}
+    print("\n---\n" + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+
+
+def cmd_profile(args):
+    from .profiling import load_or_profile_sps
+    from .target import load_target
+
+    target, _ = load_target(args.target)
+    curve = load_or_profile_sps(target, max_tokens=args.max_tokens, context_len=args.context_len)
+    if args.json:
+        print(curve.to_json())
+    else:
+        for b, sps in enumerate(curve.steps_per_s, 1):
+            print(f"B={b:3d}  {sps:8.2f} steps/s  {1e3 / sps:8.1f} ms")
+
+
+def cmd_train(args):
+    from .data import prepare_data
+    from .target import load_target
+    from .training import TrainConfig, train
+
+    cfg = TrainConfig.from_yaml(args.config)
+    target, tokenizer = load_target(args.target)
+    from .config import spread_layer_ids
+
+    layers = spread_layer_ids(target.config.num_hidden_layers, cfg.num_context_layers)
+    prepare_data(target, tokenizer, cfg.data_dir, layers, cfg.target_tokens, cfg.gen_batch_size,
+                 max_new_tokens=cfg.max_new_tokens)
+    if args.prepare_only:
+        return
+    print(f"drafter saved to {train(target, cfg)}")
+
+
+def cmd_calibrate(args):
+    from .calibration import SequentialTemperatureScaling, reliability_diagram
+    from .data import sharegpt_prompts
+    from .evaluation import collect_rounds
+
+    target, tokenizer, drafter = _load(args)
+    prompts = [p for _, p in sharegpt_prompts("calibration")[: args.prompts]]
+    confs, accepted, _ = collect_rounds(target, tokenizer, drafter, prompts, args.max_new_tokens, args.temperature)
+    sts = SequentialTemperatureScaling().fit(confs, accepted)
+    out = Path(args.drafter or DEFAULT_DRAFTER)
+    sts.save(out)
+    reliability_diagram(confs, accepted, sts, out / "reliability.png")
+    report = sts.fit_report
+    print(json.dumps({"rounds": report["n_rounds"], "ece_before": report["mean_ece_before"],
+                      "ece_after": report["mean_ece_after"], "temperatures": sts.temperatures}, indent=2))
+
+
+def main(argv=None):
+    """Entry point of the ``dspark`` console script."""
+    parser = argparse.ArgumentParser(prog="dspark", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def command(name, fn, help, drafter=False):
+        p = sub.add_parser(name, help=help)
+        p.set_defaults(fn=fn)
+        p.add_argument("--target", default=None, help="target model (Hub id or folder); default: bundled SmolLM2-135M-Instruct")
+        if drafter:
+            p.add_argument("--drafter", default=None, help=f"drafter folder or Hub id (default {DEFAULT_DRAFTER.name})")
+        return p
+
+    p = command("info", cmd_info, "versions, default target and cache paths")
+    p.add_argument("--json", action="store_true")
+
+    p = command("generate", cmd_generate, "generate with DSpark speculative decoding", drafter=True)
+    p.add_argument("prompt")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--gamma", type=int, default=None, help="block size γ (default: the drafter's)")
+    p.add_argument("--verify", choices=["scheduler", "fixed", "threshold"], default=None)
+    p.add_argument("--compare", action="store_true", help="also run plain generate and report the speedup")
+    p.add_argument("--json", action="store_true")
+
+    p = command("profile", cmd_profile, "measure (or show the cached) SPS curve of the target")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--context-len", type=int, default=256)
+    p.add_argument("--json", action="store_true")
+
+    p = command("train", cmd_train, "regenerate data with the target and train a drafter")
+    p.add_argument("--config", default=str(DEFAULT_TRAIN_CONFIG))
+    p.add_argument("--prepare-only", action="store_true", help="only generate and cache the training data")
+
+    p = command("calibrate", cmd_calibrate, "fit Sequential Temperature Scaling on calibration rounds", drafter=True)
+    p.add_argument("--prompts", type=int, default=40)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+
+    args = parser.parse_args(argv)
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()

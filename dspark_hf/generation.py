@@ -1,0 +1,245 @@
+"""`target.generate(..., assistant_model=drafter)` with DSpark drafting and confidence scheduling.
+
+Routing: importing ``dspark_hf`` wraps ``GenerationMixin._get_candidate_generator`` and
+``_validate_generation_mode`` so that an assistant that is a :class:`DSparkDrafter` gets
+:class:`DSparkCandidateGenerator`; every other assistant keeps transformers' own behaviour untouched.
+
+Per-call settings (keyword arguments of ``generate``):
+
+* ``dspark_block_size``: block size γ (default ``drafter.config.block_size``);
+* ``dspark_verification``: ``"scheduler"`` (default, paper Algorithm 1), ``"fixed"`` (verify all γ,
+  the paper's Table 1 protocol) or ``"threshold"`` (verify while c_k >= threshold);
+* ``dspark_threshold``: the threshold of ``"threshold"`` mode (default 0.4).
+
+The defaults come from the drafter's config (``block_size``, ``verification``, ``confidence_threshold``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.utils import GenerationMixin, GenerationMode
+
+from .model import DSparkDrafter
+from .scheduler import schedule_prefix, threshold_prefix
+
+from .config import MAX_BLOCK_SIZE, VERIFICATION_MODES
+
+
+@dataclass
+class RoundStats:
+    """One speculative round: drafted γ, scheduled ℓ, accepted n (drafts, bonus excluded), timings in ms."""
+
+    drafted: int
+    scheduled: int
+    accepted: int = 0
+    confidences: list[float] = field(default_factory=list)
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+
+
+@dataclass
+class GenerationStats:
+    """Per-round statistics of the last ``generate`` call (``drafter.last_stats``)."""
+
+    rounds: list[RoundStats] = field(default_factory=list)
+    verification: str = "scheduler"
+
+    @property
+    def tau(self) -> float:
+        """Mean accepted length per round τ, INCLUDING the bonus token."""
+        return sum(r.accepted + 1 for r in self.rounds) / max(len(self.rounds), 1)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(r.accepted + 1 for r in self.rounds)
+
+    def full_rounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rounds that verified their whole block (γ = the call's block size), for calibration.
+
+        The last round is dropped (EOS or the token budget may have cut its acceptance short).
+        Returns ``(confidences [N, γ], accepted [N])``.
+        """
+        gamma = max((r.drafted for r in self.rounds), default=0)
+        keep = [r for r in self.rounds[:-1] if r.drafted == r.scheduled == gamma and r.confidences]
+        if not keep:
+            return torch.zeros(0, gamma), torch.zeros(0, dtype=torch.long)
+        return torch.tensor([r.confidences for r in keep]), torch.tensor([r.accepted for r in keep])
+
+    def as_dict(self) -> dict:
+        return dict(
+            verification=self.verification,
+            rounds=len(self.rounds),
+            tau=self.tau,
+            draft_ms=sum(r.draft_ms for r in self.rounds),
+            verify_ms=sum(r.verify_ms for r in self.rounds),
+            per_round=[r.__dict__ for r in self.rounds],
+        )
+
+
+def _setting(generation_config, name, default):
+    value = getattr(generation_config, name, None)
+    return default if value is None else value
+
+
+class DSparkCandidateGenerator(CandidateGenerator):
+    """Drafts one DSpark block per round and returns its scheduled prefix (paper Fig. 1).
+
+    Each round it appends the target's hidden states of the newly accepted positions to the drafter's
+    context cache, drafts γ tokens from the anchor (the last token of ``input_ids``), picks a prefix
+    length ℓ by the verification mode and returns ``input_ids + drafts[:ℓ]``. With sampling the drafts
+    are drawn from the returned (processed) logits, so transformers' speculative sampling is exact;
+    with greedy decoding no logits are returned and the target's argmax decides.
+
+    Raises:
+        ValueError: batch size > 1, an unknown verification mode, ``scheduler``/``threshold`` mode
+            without a confidence head, or ``scheduler`` mode without a calibration.
+    """
+
+    requires_model_outputs = True
+
+    def __init__(self, target, drafter: DSparkDrafter, generation_config, logits_processor, input_ids):
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"DSpark speculative decoding supports batch size 1 in `generate` (got {input_ids.shape[0]}); "
+                "call generate once per prompt."
+            )
+        self.drafter = drafter.bind(target)
+        cfg = drafter.config
+        self.block_size = int(_setting(generation_config, "dspark_block_size", cfg.block_size))
+        if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"dspark_block_size (γ) must be in 1..{MAX_BLOCK_SIZE}, got {self.block_size}")
+        self.mode = _setting(generation_config, "dspark_verification", cfg.verification)
+        self.threshold = float(_setting(generation_config, "dspark_threshold", cfg.confidence_threshold))
+        self._check_mode()
+        self.sps = drafter.sps_curve(target) if self.mode == "scheduler" else None
+        self.do_sample = bool(generation_config.do_sample)
+        self.logits_processor = logits_processor
+        self.max_length = generation_config.max_length
+        self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in cfg.target_layer_ids]}
+        self.context = drafter.new_context()
+        self.stats = GenerationStats(verification=self.mode)
+        drafter.last_stats = self.stats
+        self._verify_start = None
+
+    def _check_mode(self):
+        if self.mode not in VERIFICATION_MODES:
+            raise ValueError(f"dspark_verification must be one of {VERIFICATION_MODES}, got {self.mode!r}")
+        if self.mode != "fixed" and self.drafter.confidence is None:
+            raise ValueError(
+                f"Verification mode {self.mode!r} needs a confidence head, and this drafter has none; "
+                "pass dspark_verification='fixed'."
+            )
+        if self.mode == "scheduler" and self.drafter.calibration is None:
+            raise ValueError(
+                "The scheduler needs calibrated confidences and this drafter has no calibration.json: run "
+                "`dspark calibrate`, attach one with `drafter.calibration = SequentialTemperatureScaling(...)`, "
+                "or pass dspark_verification='fixed'."
+            )
+
+    def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, **kwargs):
+        """See :class:`~transformers.generation.CandidateGenerator`; the first call lets the target prefill."""
+        if is_first_iteration:
+            return input_ids, None
+        self._extend_context(input_ids, model_outputs)
+        gamma = min(self.block_size, self.max_length - input_ids.shape[1] - 1)
+        if gamma <= 0:
+            return input_ids, None
+        start = time.perf_counter()
+        block = self.drafter.draft(
+            self.context, int(input_ids[0, -1]), gamma, self.do_sample, self.logits_processor, input_ids
+        )
+        length = self._prefix_length(block, gamma)
+        self.stats.rounds.append(
+            RoundStats(
+                drafted=gamma,
+                scheduled=length,
+                confidences=block.confidences.tolist() if block.confidences is not None else [],
+                draft_ms=1e3 * (time.perf_counter() - start),
+            )
+        )
+        self._verify_start = time.perf_counter()
+        candidates = torch.cat([input_ids, block.tokens[:length][None].to(input_ids.device)], dim=-1)
+        logits = block.logits[None, :length] if self.do_sample and length > 0 else None
+        return candidates, logits
+
+    def _extend_context(self, input_ids, model_outputs):
+        """Append the hidden states of positions ``context.length .. L-2`` (all accepted) to the cache."""
+        n_new = input_ids.shape[1] - 1 - self.context.length
+        if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
+            raise RuntimeError("DSpark needs the target's hidden states; the target did not return them.")
+        states = model_outputs.hidden_states
+        features = torch.cat([states[i + 1][:, :n_new] for i in self.drafter.config.target_layer_ids], dim=-1)
+        self.drafter.extend_context(self.context, features.to(self.drafter.mask_embedding.device))
+
+    def _prefix_length(self, block, gamma: int) -> int:
+        """ℓ in 0..γ by the verification mode (paper §3.2.2 for ``scheduler``)."""
+        if self.mode == "fixed":
+            return gamma
+        if self.mode == "threshold":
+            return threshold_prefix(block.confidences, self.threshold)
+        confidences = self.drafter.calibration.apply(block.confidences.float())
+        return schedule_prefix(confidences, self.sps.steps_per_s[: gamma + 1])
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        """Record the number of accepted drafts and the verify time of the round just verified."""
+        if self._verify_start is not None and self.stats.rounds:
+            last = self.stats.rounds[-1]
+            last.accepted = int(num_matches)
+            last.verify_ms = 1e3 * (time.perf_counter() - self._verify_start)
+            self._verify_start = None
+
+
+# ------------------------------------------------------------------------------------- routing
+_stock_get_candidate_generator = GenerationMixin._get_candidate_generator
+_stock_validate_generation_mode = GenerationMixin._validate_generation_mode
+
+
+def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                             assistant_model=None, **kwargs):
+    if isinstance(assistant_model, DSparkDrafter):
+        return DSparkCandidateGenerator(self, assistant_model, generation_config, logits_processor, input_ids)
+    return _stock_get_candidate_generator(
+        self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+        assistant_model=assistant_model, **kwargs,
+    )
+
+
+def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+    if isinstance(generation_mode_kwargs.get("assistant_model"), DSparkDrafter):
+        _validate_dspark_call(generation_mode, generation_config)
+    return _stock_validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs)
+
+
+def _validate_dspark_call(generation_mode, generation_config):
+    """Reject what DSpark decoding cannot do, before any compute, naming the fix."""
+    if generation_mode != GenerationMode.ASSISTED_GENERATION:
+        raise ValueError(
+            f"DSpark drafting works with greedy decoding or sampling, not {generation_mode.value}; "
+            "set num_beams=1 (and drop beam/contrastive options)."
+        )
+    if generation_config.num_return_sequences and generation_config.num_return_sequences > 1:
+        raise ValueError("DSpark drafting returns one sequence per call; set num_return_sequences=1.")
+    if generation_config.output_hidden_states and generation_config.return_dict_in_generate:
+        raise ValueError(
+            "output_hidden_states=True is not supported with a DSpark drafter (the drafter requests only its "
+            "context layers); drop output_hidden_states or run the target separately."
+        )
+    if generation_config.speculation_type is not None:
+        raise ValueError("speculation_type must be unset when the assistant is a DSparkDrafter.")
+
+
+DSPARK_GENERATE_KWARGS = ("dspark_block_size", "dspark_verification", "dspark_threshold")
+
+
+def install() -> None:
+    """Route DSpark drafters through :class:`DSparkCandidateGenerator` (idempotent; done on import)."""
+    GenerationMixin._get_candidate_generator = _get_candidate_generator
+    GenerationMixin._validate_generation_mode = _validate_generation_mode
+    for name in DSPARK_GENERATE_KWARGS:  # class defaults make `generate(dspark_...=...)` config fields
+        if not hasattr(GenerationConfig, name):
+            setattr(GenerationConfig, name, None)

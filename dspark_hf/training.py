@@ -1,0 +1,353 @@
+"""Drafter training (paper §3.3, eqs. 8-12) on cached target features.
+
+Each step samples sequences, draws many anchors per sequence and packs every anchor's γ-token block
+into one dense forward (anchor-bounded packing: block ``b`` sees context positions ``< a_b`` only).
+The target is never run here: its context-layer features and top-K next-token distributions were
+cached by :mod:`dspark_hf.data` while it regenerated the responses.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import yaml
+from tqdm.auto import tqdm
+
+from .config import DSparkConfig
+from .data import load_shards
+from .model import DSparkDrafter
+
+
+@dataclass
+class TrainConfig:
+    """Everything that determines a training run (read from a YAML file by ``dspark train``).
+
+    Budget: training stops at ``steps`` optimizer steps or ``max_minutes`` of wall time, whichever
+    comes first, so drafters compared in benchmarks can share one budget.
+    """
+
+    data_dir: str = "runs/data"
+    out_dir: str = "runs/drafter"
+    # drafter
+    num_hidden_layers: int = 2
+    sequential_head: str = "markov"
+    sequential_rank: int = 128
+    confidence_head: bool = True
+    block_size: int = 7
+    num_context_layers: int = 4
+    draft_vocab_size: int | None = 8192
+    init_from_target: bool = True
+    # data
+    target_tokens: int = 300_000
+    gen_batch_size: int = 48
+    max_new_tokens: int = 192
+    # optimisation
+    steps: int = 3000
+    max_minutes: float = 60.0
+    sequences_per_step: int = 8
+    anchors_per_sequence: int = 24
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    decay: float | None = None  # λ of w_k = exp(-(k-1)/λ); None = block size (paper §3.3)
+    loss_weights: dict = field(default_factory=lambda: {"ce": 0.1, "tv": 0.9, "conf": 1.0})
+    seed: int = 0
+    eval_every: int = 250
+    save_every: int = 250
+    val_sequences: int = 32
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "TrainConfig":
+        """Read a YAML mapping of :class:`TrainConfig` fields; unknown keys raise ``ValueError``."""
+        values = yaml.safe_load(Path(path).read_text()) or {}
+        unknown = set(values) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"Unknown training config keys in {path}: {sorted(unknown)}")
+        return cls(**values)
+
+
+# ------------------------------------------------------------------------------------ losses
+def position_weights(gamma: int, decay: float | None = None) -> torch.Tensor:
+    """``w_k = exp(-(k-1)/λ)`` for k = 1..γ, ``λ = decay or γ`` (paper §3.3). Shape ``[γ]``."""
+    lam = float(decay or gamma)
+    return torch.exp(-torch.arange(gamma, dtype=torch.float32) / lam)
+
+
+def tv_distance(draft_probs: torch.Tensor, target_ids: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """``||p_d - p_t||_1`` with ``p_t`` known only on its top-K support (paper eq. 10).
+
+    Args:
+        draft_probs: ``[..., V']`` draft distribution over the draft vocabulary.
+        target_ids: ``[..., K]`` draft-vocabulary rows of the target's top-K tokens; ``-1`` for a
+            token outside the draft vocabulary (the drafter gives it probability 0).
+        target_probs: ``[..., K]`` their target probabilities (summing to ``<= 1``).
+
+    Returns:
+        ``[...]``: exact L1 on the top-K support, plus ``|rest_d - rest_t|`` for the remaining mass
+        (a lower bound of the full L1 that is exact when ``p_t`` is fully inside its top-K).
+    """
+    inside = target_ids >= 0
+    pd_at = torch.gather(draft_probs, -1, target_ids.clamp(min=0)) * inside
+    on_support = ((pd_at - target_probs).abs() * inside + target_probs * ~inside).sum(-1)
+    rest_d = 1 - pd_at.sum(-1)
+    rest_t = 1 - target_probs.sum(-1)
+    return on_support + (rest_d - rest_t).abs()
+
+
+def dspark_loss(logits, confidence_logits, labels, target_ids, target_probs, valid, weights, loss_weights):
+    """Paper eq. 12: ``α_ce L_ce + α_tv L_tv + α_conf L_conf``, each position-weighted by ``w_k``.
+
+    Args:
+        logits: ``[N, γ, V']`` draft logits ``U + B`` (teacher-forced sequential head).
+        confidence_logits: ``[N, γ]`` or ``None``.
+        labels: ``[N, γ]`` ground-truth draft-vocab rows (``-1``: outside the draft vocabulary).
+        target_ids, target_probs: ``[N, γ, K]`` the target's top-K distribution (see :func:`tv_distance`).
+        valid: ``[N, γ]`` bool, positions that exist in the sequence.
+        weights: ``[γ]`` position weights.
+
+    Returns:
+        ``(loss, parts)`` where ``parts`` holds the detached terms and ``accept`` ``[γ]`` = mean of
+        ``c*_k = 1 - ½||p_d - p_t||_1`` per position (eq. 8).
+    """
+    log_p = logits.float().log_softmax(-1)
+    probs = log_p.exp()
+    w = weights.to(logits.device)[None] * valid
+    blocks = valid[:, 0].sum().clamp(min=1)
+    ce_valid = valid & (labels >= 0)
+    ce = -torch.gather(log_p, -1, labels.clamp(min=0)[..., None])[..., 0] * ce_valid
+    tv = tv_distance(probs, target_ids, target_probs)
+    accept = (1 - 0.5 * tv).clamp(0, 1).detach()  # c*_k, eq. 8
+    parts = {"ce": (ce * w).sum() / blocks, "tv": (tv * w).sum() / blocks}
+    if confidence_logits is not None:
+        bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), accept, reduction="none")
+        parts["conf"] = (bce * w).sum() / blocks
+    loss = sum(loss_weights[k] * v for k, v in parts.items())
+    per_position = (accept * valid).sum(0) / valid.sum(0).clamp(min=1)
+    return loss, {**{k: v.detach() for k, v in parts.items()}, "accept": per_position}
+
+
+def expected_tau(accept: torch.Tensor) -> float:
+    """τ estimate from per-position acceptance ``[γ]``: ``1 + Σ_k Π_{i<=k} accept_i``."""
+    return 1.0 + float(torch.cumprod(accept, 0).sum())
+
+
+# -------------------------------------------------------------------------------------- data
+class FeatureBatcher:
+    """Samples packed training batches from cached rows (anchor-bounded packing, §3.3 / §5.1)."""
+
+    def __init__(self, rows, drafter: DSparkDrafter, block_size: int, generator: torch.Generator):
+        self.rows = [r for r in rows if len(r["input_ids"]) - r["prompt_len"] >= 2]
+        if not self.rows:
+            raise ValueError("No usable training rows (responses shorter than 2 tokens).")
+        self.vocab_index = drafter.vocab_index
+        self.oov = drafter.draft_vocab.numel()
+        self.gamma = block_size
+        self.generator = generator
+
+    def sample(self, sequences: int, anchors: int) -> dict:
+        picks = torch.randint(len(self.rows), (sequences,), generator=self.generator).tolist()
+        return self.pack([self.rows[i] for i in picks], anchors)
+
+    def pack(self, rows, anchors: int) -> dict:
+        """Pack ``rows`` with up to ``anchors`` anchors each into dense tensors (see ``DSparkDrafter.forward``)."""
+        per_row = [self._anchors(r, anchors) for r in rows]
+        n = max(int(a.max()) for a in per_row)
+        A = max(len(a) for a in per_row)
+        width = rows[0]["features"].shape[-1]
+        k_top = rows[0]["topk_ids"].shape[-1]
+        g = self.gamma
+        feats = torch.zeros(len(rows), n, width, dtype=torch.float16)
+        anchor_pos = torch.zeros(len(rows), A, dtype=torch.long)
+        tokens = torch.zeros(len(rows), A, g + 1, dtype=torch.long)
+        valid = torch.zeros(len(rows), A, g, dtype=torch.bool)
+        top_ids = torch.zeros(len(rows), A, g, k_top, dtype=torch.long)
+        top_probs = torch.zeros(len(rows), A, g, k_top)
+        for s, (row, picks) in enumerate(zip(rows, per_row)):
+            ids, p0 = row["input_ids"].long(), int(row["prompt_len"])
+            feats[s, : min(n, len(row["features"]))] = row["features"][:n]
+            for b, a in enumerate(picks.tolist()):
+                span = min(g, len(ids) - 1 - a)  # draft positions with a ground-truth token
+                anchor_pos[s, b] = a
+                tokens[s, b, : span + 1] = ids[a : a + span + 1]
+                valid[s, b, :span] = True
+                top_ids[s, b, :span] = row["topk_ids"][a - p0 : a - p0 + span].long()
+                top_probs[s, b, :span] = row["topk_probs"][a - p0 : a - p0 + span].float()
+        rows_of = lambda t: torch.where(self.vocab_index[t] < self.oov, self.vocab_index[t], -1)  # noqa: E731
+        return dict(
+            features=feats, anchors=anchor_pos, tokens=tokens, valid=valid,
+            labels=rows_of(tokens[..., 1:]), target_ids=rows_of(top_ids), target_probs=top_probs,
+        )
+
+    def _anchors(self, row, count: int) -> torch.Tensor:
+        """Sorted anchor positions in ``[prompt_len, n - 2]`` (each has >= 1 token to predict)."""
+        lo, hi = int(row["prompt_len"]), len(row["input_ids"]) - 2
+        choices = torch.randperm(hi - lo + 1, generator=self.generator)[:count] + lo
+        return choices.sort().values
+
+
+def load_rows(data_dir: str | Path, split: str) -> list[dict]:
+    """All cached rows of ``split`` as dicts of tensors (features stay fp16)."""
+    ds = load_shards(data_dir, split)
+    return [ds[i] for i in range(len(ds))]
+
+
+def choose_draft_vocab(rows, size: int, vocab_size: int) -> torch.Tensor:
+    """The ``size`` most frequent response tokens of ``rows`` (target ids ``[size]``, sorted)."""
+    responses = torch.cat([row["input_ids"][int(row["prompt_len"]) :].long() for row in rows])
+    counts = torch.bincount(responses, minlength=vocab_size)
+    return counts.argsort(descending=True, stable=True)[:size].sort().values
+
+
+# ----------------------------------------------------------------------------------- training
+def build_drafter(target, cfg: TrainConfig, train_rows) -> DSparkDrafter:
+    """A fresh drafter for ``target``; its draft vocabulary is chosen from the training responses."""
+    vocab = target.get_output_embeddings().weight.shape[0]
+    draft_vocab_size = min(cfg.draft_vocab_size, vocab) if cfg.draft_vocab_size else None
+    config = DSparkConfig.for_target(
+        target,
+        num_context_layers=cfg.num_context_layers,
+        num_hidden_layers=cfg.num_hidden_layers,
+        sequential_head=cfg.sequential_head,
+        sequential_rank=cfg.sequential_rank,
+        confidence_head=cfg.confidence_head,
+        block_size=cfg.block_size,
+        draft_vocab_size=draft_vocab_size,
+        verification="scheduler" if cfg.confidence_head else "fixed",
+    )
+    drafter = DSparkDrafter(config)
+    if draft_vocab_size:
+        drafter.set_draft_vocab(choose_draft_vocab(train_rows, draft_vocab_size, vocab))
+    if cfg.init_from_target:
+        init_layers_from_target(drafter, target)
+    return drafter.bind(target)
+
+
+def init_layers_from_target(drafter: DSparkDrafter, target):
+    """Start drafter layer ``i`` from the target's ``L - n + i``-th layer and its final norm."""
+    source = target.model.layers[-len(drafter.layers) :]
+    for mine, theirs in zip(drafter.layers, source):
+        mine.load_state_dict(theirs.state_dict(), strict=False)
+    drafter.norm.load_state_dict(target.model.norm.state_dict())
+
+
+def _lr_lambda(cfg: TrainConfig):
+    def schedule(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return schedule
+
+
+def train_step(drafter, batch, weights, loss_weights):
+    """Forward + loss on one packed batch; returns ``(loss, parts)`` (no optimizer step)."""
+    out = drafter(batch["features"], batch["anchors"], batch["tokens"])
+    flat = lambda t: t.flatten(0, 1) if t is not None else None  # noqa: E731
+    return dspark_loss(
+        flat(out.logits), flat(out.confidence_logits), flat(batch["labels"]), flat(batch["target_ids"]),
+        flat(batch["target_probs"]), flat(batch["valid"]), weights, loss_weights,
+    )
+
+
+@torch.no_grad()
+def evaluate(drafter, batches, weights, loss_weights) -> dict:
+    """Mean loss parts, per-position acceptance estimate c*_k and τ estimate on fixed batches."""
+    drafter.eval()
+    sums, accept = {}, 0
+    for batch in batches:
+        loss, parts = train_step(drafter, batch, weights, loss_weights)
+        for k, v in parts.items():
+            if k != "accept":
+                sums[k] = sums.get(k, 0.0) + float(v)
+        sums["loss"] = sums.get("loss", 0.0) + float(loss)
+        accept = accept + parts["accept"]
+    drafter.train()
+    accept = accept / len(batches)
+    return {**{k: v / len(batches) for k, v in sums.items()}, "accept": accept.tolist(), "tau": expected_tau(accept)}
+
+
+def train(target, cfg: TrainConfig, progress: bool = True) -> Path:
+    """Train a drafter for ``target`` on ``cfg.data_dir``; checkpoints and resumes in ``cfg.out_dir``.
+
+    Returns the folder of the final drafter (``out_dir/final``), loadable with
+    ``DSparkDrafter.from_pretrained``. A ``log.jsonl`` records training and validation metrics.
+    """
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_config.yaml").write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
+    torch.manual_seed(cfg.seed)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    train_rows, val_rows = load_rows(cfg.data_dir, "train"), load_rows(cfg.data_dir, "validation")
+    ckpt = out / "checkpoint"
+    if (ckpt / "state.pt").is_file():
+        drafter = DSparkDrafter.from_pretrained(ckpt).bind(target)
+    else:
+        drafter = build_drafter(target, cfg, train_rows)
+    drafter.train()
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+    step, elapsed = 0, 0.0
+    if (ckpt / "state.pt").is_file():
+        state = torch.load(ckpt / "state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        generator.set_state(state["generator"])
+        step, elapsed = state["step"], state["elapsed"]
+    batcher = FeatureBatcher(train_rows, drafter, cfg.block_size, generator)
+    val_batcher = FeatureBatcher(val_rows[: cfg.val_sequences], drafter, cfg.block_size, torch.Generator().manual_seed(1))
+    val_batches = [val_batcher.pack(val_batcher.rows[i : i + 8], cfg.anchors_per_sequence) for i in range(0, len(val_batcher.rows), 8)]
+    weights = position_weights(cfg.block_size, cfg.decay)
+    log = (out / "log.jsonl").open("a")
+    bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=not progress)
+    start = time.perf_counter() - elapsed
+    while step < cfg.steps and (time.perf_counter() - start) < 60 * cfg.max_minutes:
+        loss, parts = train_step(drafter, batcher.sample(cfg.sequences_per_step, cfg.anchors_per_sequence), weights, cfg.loss_weights)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix({k: f"{float(v):.3f}" for k, v in parts.items() if k != "accept"} | {"tau": f"{expected_tau(parts['accept']):.2f}"})
+        record = {"step": step, "time_s": time.perf_counter() - start, "loss": float(loss), "lr": scheduler.get_last_lr()[0]}
+        record |= {k: float(v) for k, v in parts.items() if k != "accept"} | {"tau_est": expected_tau(parts["accept"])}
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            record["validation"] = evaluate(drafter, val_batches, weights, cfg.loss_weights)
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+        if step % cfg.save_every == 0:
+            _save_checkpoint(drafter, optimizer, scheduler, generator, step, time.perf_counter() - start, ckpt)
+    bar.close()
+    final = out / "final"
+    drafter.save_pretrained(final)
+    (final / "training.json").write_text(
+        json.dumps({"steps": step, "minutes": (time.perf_counter() - start) / 60, "config": asdict(cfg),
+                    "validation": evaluate(drafter, val_batches, weights, cfg.loss_weights)}, indent=2)
+    )
+    return final
+
+
+def _save_checkpoint(drafter, optimizer, scheduler, generator, step, elapsed, ckpt: Path):
+    tmp = ckpt.with_name("checkpoint.partial")
+    drafter.save_pretrained(tmp)
+    torch.save(
+        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+         "generator": generator.get_state(), "step": step, "elapsed": elapsed},
+        tmp / "state.pt",
+    )
+    if ckpt.exists():
+        for f in ckpt.iterdir():
+            f.unlink()
+        ckpt.rmdir()
+    tmp.rename(ckpt)

@@ -1,0 +1,88 @@
+"""Tests for SPS-curve profiling and its disk cache (paper §3.2.2), on a tiny random Llama."""
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from dspark_hf import profiling
+from dspark_hf.profiling import SPSCurve, load_or_profile_sps, profile_sps, sps_cache_path, time_verify_step
+
+KW = dict(max_tokens=4, context_len=8, repeats=1, progress=False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny forwards on a busy 2-core machine: two OpenMP threads wait on each other for ~100 ms."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(autouse=True)
+def hf_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    return tmp_path
+
+
+def test_profile_curve_shape_and_metadata(target):
+    curve = profile_sps(target, cache=False, **KW)
+    assert curve.max_tokens == 4
+    assert all(s > 0 for s in curve.steps_per_s)
+    assert (curve.dtype, curve.context_len, curve.smoothed) == ("float32", 8, False)
+    assert curve.n_params == sum(p.numel() for p in target.parameters())
+
+
+def test_smooth_is_non_increasing(target):
+    curve = profile_sps(target, smooth=True, cache=False, **KW)
+    assert curve.smoothed
+    assert all(a >= b for a, b in zip(curve.steps_per_s, curve.steps_per_s[1:]))
+    raw = SPSCurve([1.0, 2.0, 0.5, 0.7], "t", "cpu", "float32", "x", 8, 1)
+    assert raw.smooth().steps_per_s == [1.0, 1.0, 0.5, 0.5]
+
+
+def test_cache_round_trip(target, hf_home, monkeypatch):
+    first = load_or_profile_sps(target, **KW)
+    path = sps_cache_path(target, KW["max_tokens"], KW["context_len"])
+    assert path.is_file() and path.parent == hf_home / "dspark_hf" / "sps"
+    assert path.name.startswith("unnamed-float32-ctx8-b4-")
+
+    def no_profiling(*args, **kwargs):
+        raise AssertionError("a cached curve must not be re-profiled")
+
+    monkeypatch.setattr(profiling, "profile_sps", no_profiling)
+    assert load_or_profile_sps(target, **KW) == first
+    assert load_or_profile_sps(target, smooth=True, **KW) == first.smooth()
+    assert SPSCurve.from_json(first.to_json()) == first
+
+
+def test_verify_step_leaves_cache_length_unchanged(target):
+    kv = DynamicCache(config=target.config)
+    with torch.inference_mode():
+        target(input_ids=torch.randint(64, (1, 8)), cache=kv, use_cache=True)
+    assert time_verify_step(target, kv, torch.randint(64, (1, 3))) > 0
+    assert kv.get_seq_length() == 8
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [(dict(max_tokens=0), ">= 1"), (dict(repeats=0), ">= 1"), (dict(context_len=62, max_tokens=4), "max_position")],
+)
+def test_bad_arguments_raise(target, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        profile_sps(target, **{**KW, **kwargs})
+
+
+def test_curve_rejects_bad_values():
+    with pytest.raises(ValueError, match="> 0"):
+        SPSCurve([1.0, 0.0], "t", "cpu", "float32", "x", 8, 1)
+    with pytest.raises(ValueError, match="format_version"):
+        SPSCurve.from_json('{"format_version": 99}')

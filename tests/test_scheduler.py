@@ -1,0 +1,97 @@
+"""Tests for the hardware-aware prefix scheduler (paper §3.2.2, Algorithm 1, Appendix A)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dspark_hf.scheduler import prefix_survival, schedule_batch, schedule_prefix, threshold_prefix
+
+# Worked example for R = 2: SPS(1..8); SPS(1) is never read because B starts at R = 2.
+WORKED_SPS = [1.0, 1.0, 0.95, 0.9, 0.85, 0.5, 0.45, 0.4]
+WORKED_C = [[0.9, 0.6, 0.2], [0.8, 0.5, 0.1]]
+APPENDIX_SPS = [1.0, 0.5, 0.45]
+
+
+def test_prefix_survival_matches_worked_example():
+    a = prefix_survival(torch.tensor(WORKED_C, dtype=torch.float64))
+    expected = torch.tensor([[0.9, 0.54, 0.108], [0.8, 0.4, 0.04]], dtype=torch.float64)
+    torch.testing.assert_close(a, expected)
+    assert prefix_survival([0.5, 0.5]).tolist() == [0.5, 0.25]
+
+
+def test_schedule_batch_worked_example():
+    lengths = schedule_batch(WORKED_C, WORKED_SPS)
+    assert lengths == [2, 1]
+    assert sum(1 + ell for ell in lengths) == 5  # B
+
+
+def global_search(c, sps):
+    """The retrospective search of Appendix A: argmax over every ℓ, no early stop."""
+    a = prefix_survival(c).tolist()
+    thetas = [(1 + sum(a[:ell])) * sps[ell] for ell in range(len(a) + 1)]
+    return max(range(len(thetas)), key=thetas.__getitem__)
+
+
+@pytest.mark.parametrize(("c2", "global_choice"), [(0.0, 0), (0.3, 0), (0.9, 2), (1.0, 2)])
+def test_appendix_a_early_stop_ignores_second_confidence(c2, global_choice):
+    # Θ0 = 1.0 > Θ1 = 0.9 stops before c2 is read, whatever c2 is.
+    assert global_search([0.8, c2], APPENDIX_SPS) == global_choice
+    assert schedule_prefix([0.8, c2], APPENDIX_SPS) == 0
+    assert schedule_batch([[0.8, c2]], APPENDIX_SPS) == [0]
+
+
+def test_flat_sps_admits_every_positive_survival():
+    flat = [1.0] * 10
+    assert schedule_prefix([0.9, 0.1, 0.5], flat) == 3
+    assert schedule_prefix([0.9, 0.0, 0.5], flat) == 1
+    assert schedule_batch([[0.9, 0.1], [0.2, 0.0]], flat) == [2, 1]
+
+
+def test_length_limited_by_sps_table():
+    assert schedule_prefix([1.0] * 5, [1.0, 1.0, 1.0]) == 2
+    # Equal survival probabilities keep request-then-position order (stable sort).
+    assert schedule_batch([[1.0] * 5, [1.0] * 5], [1.0] * 4) == [2, 0]
+
+
+def test_accepts_tensors():
+    assert schedule_prefix(torch.tensor([0.9, 0.6, 0.2]), WORKED_SPS) == schedule_prefix([0.9, 0.6, 0.2], WORKED_SPS)
+
+
+confidence_vectors = st.lists(st.floats(0.0, 1.0), min_size=1, max_size=6)
+sps_curves = st.lists(st.floats(0.01, 10.0), min_size=1, max_size=8)
+
+
+@settings(max_examples=100, deadline=None)
+@given(confidence_vectors, sps_curves)
+def test_single_request_batch_equals_schedule_prefix(c, sps):
+    assert schedule_batch([c], sps) == [schedule_prefix(c, sps)]
+
+
+@pytest.mark.parametrize(
+    ("c", "threshold", "expected"),
+    [([0.9, 0.6, 0.2], 0.5, 2), ([0.9, 0.6, 0.2], 0.95, 0), ([0.9, 0.6, 0.2], 0.0, 3), ([0.4, 0.9], 0.4, 2)],
+)
+def test_threshold_prefix(c, threshold, expected):
+    assert threshold_prefix(c, threshold) == expected
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: prefix_survival([]), "γ >= 1"),
+        (lambda: prefix_survival([0.5, 1.5]), r"\[0, 1\]"),
+        (lambda: prefix_survival([float("nan")]), "NaN"),
+        (lambda: schedule_prefix([0.5], []), "sps is empty"),
+        (lambda: schedule_prefix([0.5], [1.0, 0.0]), "> 0"),
+        (lambda: schedule_prefix([[0.5]], [1.0]), r"shape \(γ,\)"),
+        (lambda: schedule_prefix([-0.1], [1.0]), r"\[0, 1\]"),
+        (lambda: schedule_batch([], [1.0]), "empty"),
+        (lambda: schedule_batch([[0.5], [0.5]], [1.0]), "max_tokens"),
+        (lambda: threshold_prefix([0.5], 1.5), "threshold"),
+        (lambda: threshold_prefix([], 0.5), "γ >= 1"),
+    ],
+)
+def test_bad_input_raises(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
