@@ -172,6 +172,11 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
 
+    from . import bench, demo, hub
+
+    for module in (bench, hub, demo):
+        module.add_cli(sub, command)
+
     args = parser.parse_args(argv)
     args.fn(args)
 

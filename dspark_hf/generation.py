@@ -32,11 +32,16 @@ from .config import MAX_BLOCK_SIZE, VERIFICATION_MODES
 
 @dataclass
 class RoundStats:
-    """One speculative round: drafted γ, scheduled ℓ, accepted n (drafts, bonus excluded), timings in ms."""
+    """One speculative round: drafted γ, scheduled ℓ, accepted n (drafts, bonus excluded), timings in ms.
+
+    ``draft_tokens`` holds all γ drafted ids: ``[:accepted]`` were accepted, ``[accepted:scheduled]``
+    rejected by the target, ``[scheduled:]`` pruned by the scheduler before verification.
+    """
 
     drafted: int
     scheduled: int
     accepted: int = 0
+    draft_tokens: list[int] = field(default_factory=list)
     confidences: list[float] = field(default_factory=list)
     draft_ms: float = 0.0
     verify_ms: float = 0.0
@@ -158,6 +163,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
             RoundStats(
                 drafted=gamma,
                 scheduled=length,
+                draft_tokens=block.tokens.tolist(),
                 confidences=block.confidences.tolist() if block.confidences is not None else [],
                 draft_ms=1e3 * (time.perf_counter() - start),
             )

@@ -64,15 +64,39 @@ class DSparkAttention(nn.Module):
         k, _ = apply_rotary_pos_emb(k, k, cos, sin)
         return k, v
 
-    def forward(self, x, cos, sin, context_kv, mask=None):
-        """``x`` ``[B, q, d]`` block states attend to ``context_kv`` and to the whole block."""
+    def forward(self, x, cos, sin, context_kv, anchors=None):
+        """``x`` ``[B, q, d]`` block states attend to ``context_kv`` and to their own block.
+
+        With ``anchors`` ``[B, A]`` (training), ``x`` packs ``A`` blocks of ``γ = q / A`` positions:
+        block ``b`` sees context positions ``< anchors[:, b]`` and its own γ positions only.
+        """
         q = self._heads(self.q_proj(x), self.num_heads)
         q, _ = apply_rotary_pos_emb(q, q, cos, sin)
         k, v = self.key_values(x, cos, sin)
-        k = torch.cat([context_kv[0], k], dim=2)
-        v = torch.cat([context_kv[1], v], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
+        if anchors is None:
+            k = torch.cat([context_kv[0], k], dim=2)
+            v = torch.cat([context_kv[1], v], dim=2)
+            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=self.num_kv_heads != self.num_heads)
+        else:
+            out = self._packed_attention(q, *context_kv, k, v, anchors)
         return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
+
+    def _packed_attention(self, q, k_ctx, v_ctx, k_blk, v_blk, anchors):
+        """Anchor-bounded attention in two parts (context, own block) without a dense ``[q, n + q]`` mask."""
+        S, H, Q, hd = q.shape
+        A = anchors.shape[1]
+        gamma = Q // A
+        rep = H // self.num_kv_heads
+        k_ctx, v_ctx, k_blk, v_blk = (t.repeat_interleave(rep, dim=1) for t in (k_ctx, v_ctx, k_blk, v_blk))
+        scale = hd**-0.5
+        n = k_ctx.shape[2]
+        visible = torch.arange(n, device=q.device) < anchors.repeat_interleave(gamma, dim=1)[..., None]
+        s_ctx = (q @ k_ctx.transpose(-1, -2) * scale).masked_fill(~visible[:, None], float("-inf"))
+        qb, kb = q.view(S, H, A, gamma, hd), k_blk.view(S, H, A, gamma, hd)
+        s_blk = (qb @ kb.transpose(-1, -2) * scale).view(S, H, Q, gamma)
+        p = torch.cat([s_ctx, s_blk], dim=-1).softmax(-1)
+        own = p[..., n:].view(S, H, A, gamma, gamma) @ v_blk.view(S, H, A, gamma, hd)
+        return p[..., :n] @ v_ctx + own.view(S, H, Q, hd)
 
 
 class DSparkLayer(nn.Module):
@@ -86,8 +110,8 @@ class DSparkLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(llama)
 
-    def forward(self, x, cos, sin, context_kv, mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, mask)
+    def forward(self, x, cos, sin, context_kv, anchors=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, anchors)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -286,12 +310,15 @@ class DSparkDrafter(PreTrainedModel):
         cos, sin = self.rotary_emb(h, positions)
         return [layer.self_attn.key_values(h, cos, sin) for layer in self.layers]
 
-    def backbone(self, block_embeds, positions, context_kv, mask=None) -> torch.Tensor:
-        """Parallel stage: ``block_embeds`` ``[B, q, d]`` at ``positions`` ``[B, q]`` -> ``h`` ``[B, q, d]``."""
+    def backbone(self, block_embeds, positions, context_kv, anchors=None) -> torch.Tensor:
+        """Parallel stage: ``block_embeds`` ``[B, q, d]`` at ``positions`` ``[B, q]`` -> ``h`` ``[B, q, d]``.
+
+        ``anchors`` ``[B, A]`` switches to packed training blocks (see ``DSparkAttention.forward``).
+        """
         cos, sin = self.rotary_emb(block_embeds, positions)
         x = block_embeds
         for layer, kv in zip(self.layers, context_kv):
-            x = layer(x, cos, sin, kv, mask)
+            x = layer(x, cos, sin, kv, anchors)
         return self.norm(x)
 
     def block_embeddings(self, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -325,19 +352,9 @@ class DSparkDrafter(PreTrainedModel):
         offsets = torch.arange(gamma, device=anchor_positions.device)
         positions = (anchor_positions[..., None] + offsets).reshape(S, A * gamma)
         embeds = self.block_embeddings(block_tokens[..., 0], gamma).reshape(S, A * gamma, -1)
-        hidden = self.backbone(embeds, positions, context_kv, self._packing_mask(anchor_positions, n, gamma))
+        hidden = self.backbone(embeds, positions, context_kv, anchor_positions)
         hidden = hidden.view(S, A, gamma, -1)
         return self.heads(hidden, block_tokens[..., :gamma])
-
-    @staticmethod
-    def _packing_mask(anchor_positions: torch.Tensor, n: int, gamma: int) -> torch.Tensor:
-        """Boolean ``[S, 1, A*γ, n + A*γ]``: context ``j < a_b`` and the block's own positions."""
-        S, A = anchor_positions.shape
-        anchors = anchor_positions.repeat_interleave(gamma, dim=1)  # [S, A*γ]
-        ctx = torch.arange(n, device=anchors.device) < anchors[..., None]
-        block = torch.arange(A, device=anchors.device).repeat_interleave(gamma)
-        own = block[:, None] == block[None, :]
-        return torch.cat([ctx, own.expand(S, -1, -1)], dim=-1)[:, None]
 
     def heads(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> "DraftOutput":
         """Sequential + confidence heads with teacher forcing.

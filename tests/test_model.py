@@ -1,0 +1,424 @@
+"""Tests for the DSpark drafter (paper §2.2 context injection, §3.1 eqs. 4-6, §3.2.1 eq. 7).
+
+Everything runs on CPU with a tiny random Llama target (vocab 64, d = 32, 6 layers) in a few seconds.
+Drafter weights are randomised (``W2`` starts at zero, which would hide the sequential heads).
+"""
+
+import json
+import warnings
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModel, LlamaConfig, LlamaForCausalLM
+
+import dspark_hf  # noqa: F401  (registers "dspark" with the Auto classes)
+from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling
+from dspark_hf.calibration import CALIBRATION_FILE
+from dspark_hf.heads import MarkovHead, RNNHead
+
+HEADS = ("none", "markov", "rnn")
+GAMMAS = (1, 7, 16)
+V, D, RANK = 64, 32, 8
+DRAFT_VOCAB = 40  # V' < V for the restricted-vocabulary variants
+N_CTX = 11  # prompt positions whose target features form the context
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls are ~50x slower with 2 threads on a loaded 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_target(vocab=V, hidden=D, layers=6, name="tiny/target", seed=0):
+    torch.manual_seed(seed)
+    tc = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, eos_token_id=None, pad_token_id=0,
+        initializer_range=0.2,
+    )
+    target = LlamaForCausalLM(tc).eval()
+    target.config._name_or_path = name
+    return target
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+def make_drafter(target, head="markov", draft_vocab=None, confidence=True, seed=1, **kwargs) -> DSparkDrafter:
+    """A drafter for ``target`` with every weight random (so each head really contributes)."""
+    config = DSparkConfig.for_target(
+        target, num_context_layers=2, num_hidden_layers=2, sequential_head=head, sequential_rank=RANK,
+        block_size=7, confidence_head=confidence, draft_vocab_size=draft_vocab, **kwargs,
+    )
+    torch.manual_seed(seed)
+    drafter = DSparkDrafter(config).eval()
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0.0, 0.3)
+        for name, p in drafter.named_parameters():
+            if "norm" in name:
+                p.add_(1.0)
+        if draft_vocab is not None:
+            drafter.set_draft_vocab(torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:draft_vocab])
+    return drafter.bind(target)
+
+
+def context_features(target, drafter, ids):
+    """``[1, n, m*d]`` concatenated target hidden states of the drafter's context layers (eq. 2)."""
+    with torch.no_grad():
+        states = target(ids, output_hidden_states=True).hidden_states
+    return torch.cat([states[i + 1] for i in drafter.config.target_layer_ids], dim=-1)
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return torch.randint(1, V, (1, N_CTX + 6), generator=torch.Generator().manual_seed(7))
+
+
+def draft_after(drafter, features, anchor, gamma, do_sample=True, seed=0):
+    """Draft one block from the context ``features`` ``[1, n, m*d]``; sampling makes tokens non-trivial."""
+    ctx = drafter.new_context()
+    drafter.extend_context(ctx, features)
+    gen = torch.Generator().manual_seed(seed)
+    return drafter.draft(ctx, int(anchor), gamma, do_sample=do_sample, generator=gen)
+
+
+def draft_vocab_logits(drafter, full_logits):
+    return full_logits[..., drafter.draft_vocab]
+
+
+# ------------------------------------------------------------------------------------------- shapes
+@pytest.mark.parametrize("gamma", GAMMAS)
+@pytest.mark.parametrize("head", HEADS)
+def test_forward_and_draft_shapes(target, prompt, head, gamma):
+    drafter = make_drafter(target, head)
+    features = context_features(target, drafter, prompt[:, :N_CTX])
+    m = len(drafter.config.target_layer_ids)
+    assert m == 2 and features.shape == (1, N_CTX, m * D)
+
+    S, A = 2, 3
+    feats = features.expand(S, -1, -1)
+    anchors = torch.tensor([[2, 5, N_CTX], [1, 4, 9]])
+    block_tokens = torch.randint(0, V, (S, A, gamma + 1))
+    out = drafter(feats, anchors, block_tokens)
+    assert out.logits.shape == (S, A, gamma, V)
+    assert out.confidence_logits.shape == (S, A, gamma)
+    assert out.hidden.shape == (S, A, gamma, D)
+    assert torch.isfinite(out.logits).all()
+
+    block = draft_after(drafter, features, prompt[0, N_CTX], gamma)
+    assert block.tokens.shape == (gamma,) and block.tokens.dtype == torch.long
+    assert block.logits.shape == (gamma, V)
+    assert block.confidences.shape == (gamma,)
+    assert ((block.confidences > 0) & (block.confidences < 1)).all()
+    assert ((block.tokens >= 0) & (block.tokens < V)).all()
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_shapes_with_draft_vocab_and_without_confidence(target, prompt, head):
+    drafter = make_drafter(target, head, draft_vocab=DRAFT_VOCAB, confidence=False)
+    assert drafter.confidence is None
+    assert (drafter.token_table is None) == (head == "none")
+    features = context_features(target, drafter, prompt[:, :N_CTX])
+    out = drafter(features, torch.tensor([[4, N_CTX]]), torch.randint(0, V, (1, 2, 8)))
+    assert out.logits.shape == (1, 2, 7, DRAFT_VOCAB)
+    assert out.confidence_logits is None
+
+    block = draft_after(drafter, features, prompt[0, N_CTX], 7)
+    assert block.confidences is None
+    assert block.logits.shape == (7, V)
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[drafter.draft_vocab] = False
+    assert torch.isneginf(block.logits[:, outside]).all()
+    assert torch.isfinite(block.logits[:, drafter.draft_vocab]).all()
+    assert torch.isin(block.tokens, drafter.draft_vocab).all()
+
+
+# -------------------------------------------------------------------------------- heads, by hand
+def _w1(drafter, ids):
+    """``W1[x]`` read straight from the table (out-of-draft-vocab ids use the last row)."""
+    rows = drafter.vocab_index[ids]
+    return drafter.token_table.weight[rows]
+
+
+@pytest.mark.parametrize("draft_vocab", [None, DRAFT_VOCAB])
+def test_markov_bias_is_w1_times_w2(target, draft_vocab):
+    drafter = make_drafter(target, "markov", draft_vocab=draft_vocab)
+    assert isinstance(drafter.sequential, MarkovHead)
+    w2 = drafter.sequential.w2.weight  # [V', r]
+    x = torch.arange(V)  # every target id, including ones outside the draft vocabulary
+    expected = _w1(drafter, x) @ w2.T  # eq. 5: W1[x] W2, [V, V']
+    torch.testing.assert_close(drafter.sequential(drafter.token_embedding(x)), expected)
+    if draft_vocab is not None:
+        outside = ~torch.isin(x, drafter.draft_vocab)
+        torch.testing.assert_close(_w1(drafter, x[outside]), drafter.token_table.weight[-1].expand(int(outside.sum()), -1))
+
+    # in the heads: logits = U + W1[x_{k-1}] W2
+    hidden = torch.randn(3, 5, D)
+    prev = torch.randint(0, V, (3, 5))
+    out = drafter.heads(hidden, prev)
+    torch.testing.assert_close(out.logits - drafter.base_logits(hidden), _w1(drafter, prev) @ w2.T)
+
+
+def test_rnn_update_matches_eq6_by_hand(target):
+    drafter = make_drafter(target, "rnn")
+    rnn = drafter.sequential
+    assert isinstance(rnn, RNNHead)
+    r = RANK
+    w_g, w_c, w_o = rnn.gates.weight.split(r, dim=0)  # each [r, 2r + d]: gate, candidate, output
+    w2 = rnn.w2.weight  # [V', r]
+    hidden = torch.randn(2, D)  # h_1, h_2
+    x0, x1 = 17, 42
+
+    # step 1 from s_0 = 0
+    s0 = torch.zeros(r)
+    z1 = torch.cat([s0, _w1(drafter, torch.tensor(x0)), hidden[0]])
+    g1 = torch.sigmoid(w_g @ z1)
+    s1 = g1 * s0 + (1 - g1) * torch.tanh(w_c @ z1)
+    b1 = w2 @ torch.tanh(w_o @ z1)
+    # step 2 carries s_1
+    z2 = torch.cat([s1, _w1(drafter, torch.tensor(x1)), hidden[1]])
+    g2 = torch.sigmoid(w_g @ z2)
+    s2 = g2 * s1 + (1 - g2) * torch.tanh(w_c @ z2)
+    b2 = w2 @ torch.tanh(w_o @ z2)
+
+    state = rnn.initial_state(hidden[0])
+    assert torch.equal(state, s0)
+    state, bias = rnn(state, drafter.token_embedding(torch.tensor(x0)), hidden[0])
+    torch.testing.assert_close(state, s1)
+    torch.testing.assert_close(bias, b1)
+    state, bias = rnn(state, drafter.token_embedding(torch.tensor(x1)), hidden[1])
+    torch.testing.assert_close(state, s2)
+    torch.testing.assert_close(bias, b2)
+
+    # the teacher-forced heads() run the same recurrence along the block
+    out = drafter.heads(hidden[None], torch.tensor([[x0, x1]]))
+    bias_seen = out.logits[0] - drafter.base_logits(hidden)
+    torch.testing.assert_close(bias_seen, torch.stack([b1, b2]))
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_confidence_is_sigmoid_of_linear_in_h_and_w1(target, prompt, head):
+    drafter = make_drafter(target, head)
+    proj = drafter.confidence.proj
+    w, b = proj.weight[0], proj.bias[0]  # eq. 7 has no bias; the implementation adds a scalar one
+    hidden = torch.randn(4, D)
+    prev = torch.randint(0, V, (4,))
+    expected_logit = torch.cat([hidden, _w1(drafter, prev)], dim=-1) @ w + b
+    torch.testing.assert_close(drafter.confidence(hidden, drafter.token_embedding(prev)), expected_logit)
+    out = drafter.heads(hidden[None], prev[None])
+    torch.testing.assert_close(out.confidence_logits[0], expected_logit)
+
+    # draft(): c_k = sigmoid(w·[h_k; W1[x_{k-1}]] + b) with x_0 = anchor and x_k the drafted tokens
+    features = context_features(target, drafter, prompt[:, :N_CTX])
+    anchor = int(prompt[0, N_CTX])
+    block = draft_after(drafter, features, anchor, 5)
+    teacher = torch.cat([torch.tensor([anchor]), block.tokens])[None, None]
+    h = drafter(features, torch.tensor([[N_CTX]]), teacher).hidden[0, 0]  # [γ, d]
+    prev = teacher[0, 0, :5]
+    manual = torch.sigmoid(torch.cat([h, _w1(drafter, prev)], dim=-1) @ w + b)
+    torch.testing.assert_close(block.confidences, manual, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ training forward == inference draft
+@pytest.mark.parametrize("draft_vocab", [None, DRAFT_VOCAB])
+@pytest.mark.parametrize("head", HEADS)
+def test_teacher_forced_forward_reproduces_draft(target, prompt, head, draft_vocab):
+    """Teacher tokens = drafted tokens => forward() logits/confidences equal draft()'s, for several packed
+    anchors at once (each block sees context < its anchor only, paper §3.3 packing)."""
+    drafter = make_drafter(target, head, draft_vocab=draft_vocab)
+    n = prompt.shape[1] - 1
+    features = context_features(target, drafter, prompt[:, :n])  # [1, n, m*d]
+    gamma = 7
+    anchors = [1, 5, 9, n]  # anchor at position a is prompt token a, context = positions < a
+    blocks, teacher = [], []
+    for i, a in enumerate(anchors):
+        anchor = int(prompt[0, a])
+        block = draft_after(drafter, features[:, :a], anchor, gamma, seed=i)
+        blocks.append(block)
+        teacher.append(torch.cat([torch.tensor([anchor]), block.tokens]))
+    out = drafter(features, torch.tensor([anchors]), torch.stack(teacher)[None])
+    for i, block in enumerate(blocks):
+        torch.testing.assert_close(out.logits[0, i], draft_vocab_logits(drafter, block.logits), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(torch.sigmoid(out.confidence_logits[0, i]), block.confidences, rtol=1e-4, atol=1e-6)
+
+    # greedy drafting is the argmax of the same logits
+    greedy = draft_after(drafter, features, int(prompt[0, n]), gamma, do_sample=False)
+    assert torch.equal(greedy.tokens, greedy.logits.argmax(-1))
+
+
+@pytest.mark.parametrize("gamma", GAMMAS)
+def test_forward_matches_draft_for_every_gamma(target, prompt, gamma):
+    drafter = make_drafter(target, "rnn")
+    features = context_features(target, drafter, prompt[:, :N_CTX])
+    anchor = int(prompt[0, N_CTX])
+    block = draft_after(drafter, features, anchor, gamma)
+    teacher = torch.cat([torch.tensor([anchor]), block.tokens])[None, None]
+    out = drafter(features, torch.tensor([[N_CTX]]), teacher)
+    torch.testing.assert_close(out.logits[0, 0], block.logits, rtol=1e-4, atol=1e-5)
+
+
+def test_context_cache_extends_incrementally(target, prompt):
+    """Appending the context in chunks (as generate does) equals encoding it at once."""
+    drafter = make_drafter(target, "markov")
+    features = context_features(target, drafter, prompt[:, :N_CTX])
+    whole, parts = drafter.new_context(), drafter.new_context()
+    drafter.extend_context(whole, features)
+    for lo, hi in [(0, 4), (4, 5), (5, N_CTX)]:
+        drafter.extend_context(parts, features[:, lo:hi])
+    assert parts.length == whole.length == N_CTX
+    a = drafter.draft(whole, 3, 7)
+    b = drafter.draft(parts, 3, 7)
+    assert torch.equal(a.tokens, b.tokens)
+    torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------- save / load
+def _draft_outputs(drafter, target, prompt):
+    features = context_features(target, drafter, prompt[:, :N_CTX])
+    return draft_after(drafter, features, prompt[0, N_CTX], 7, seed=3)
+
+
+@pytest.mark.parametrize(("head", "draft_vocab"), [(h, None) for h in HEADS] + [("markov", DRAFT_VOCAB), ("rnn", DRAFT_VOCAB)])
+def test_save_load_round_trip_gives_identical_drafts(target, prompt, tmp_path, head, draft_vocab):
+    drafter = make_drafter(target, head, draft_vocab=draft_vocab)
+    before = _draft_outputs(drafter, target, prompt)
+    drafter.save_pretrained(tmp_path)
+
+    loaded = DSparkDrafter.from_pretrained(tmp_path).eval()
+    assert not loaded.is_bound
+    with pytest.raises(RuntimeError, match="bind"):
+        _draft_outputs(loaded, target, prompt)
+    loaded.bind(target)
+    assert loaded.config.to_dict() == drafter.config.to_dict()
+    assert torch.equal(loaded.draft_vocab, drafter.draft_vocab)
+    assert torch.equal(loaded.vocab_index, drafter.vocab_index)
+    after = _draft_outputs(loaded, target, prompt)
+    assert torch.equal(after.tokens, before.tokens)
+    assert torch.equal(after.logits, before.logits)
+    assert torch.equal(after.confidences, before.confidences)
+
+
+@pytest.mark.parametrize("draft_vocab", [None, DRAFT_VOCAB])
+def test_shared_target_weights_are_not_saved_nor_parameters(target, tmp_path, draft_vocab):
+    unbound = DSparkDrafter(make_drafter(target, "markov", draft_vocab=draft_vocab).config)
+    keys_unbound = set(unbound.state_dict())
+    drafter = make_drafter(target, "markov", draft_vocab=draft_vocab)
+    assert set(drafter.state_dict()) == keys_unbound  # binding adds nothing to the state
+
+    target_tensors = [target.get_input_embeddings().weight, target.get_output_embeddings().weight]
+    target_ptrs = {t.untyped_storage().data_ptr() for t in target_tensors}
+    for name, p in drafter.named_parameters():
+        assert "embed" not in name and "lm_head" not in name, name
+        assert p.untyped_storage().data_ptr() not in target_ptrs, name
+    for t in target_tensors:
+        assert t.requires_grad  # the drafter did not freeze or steal the target's parameters
+    n_params = sum(p.numel() for p in drafter.parameters())
+    assert n_params == sum(p.numel() for p in unbound.parameters())
+
+    drafter.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        tensors = {k: f.get_tensor(k) for k in keys}
+    assert keys, "nothing saved"
+    assert not [k for k in keys if "embed" in k or "lm_head" in k]
+    assert ("draft_vocab" in keys) == (draft_vocab is not None)
+    assert "vocab_index" not in keys  # derived from draft_vocab
+    for k, t in tensors.items():
+        for shared in target_tensors:
+            assert t.shape != shared.shape or not torch.equal(t, shared.detach()), f"{k} is a copy of a target weight"
+    assert keys == {k for k in drafter.state_dict() if k != "vocab_index" and (draft_vocab or k != "draft_vocab")}
+
+
+# -------------------------------------------------------------------------------------- bind
+def test_bind_rejects_other_vocab_size(target):
+    drafter = make_drafter(target, "markov")
+    other = tiny_target(vocab=V + 8)
+    with pytest.raises(ValueError, match="(?i)vocab.*dspark train"):
+        drafter.bind(other)
+
+
+def test_bind_rejects_other_hidden_size():
+    drafter = make_drafter(tiny_target(), "markov")
+    other = tiny_target(hidden=48)
+    with pytest.raises(ValueError, match="(?i)hidden.*dspark train"):
+        drafter.bind(other)
+
+
+def test_bind_rejects_target_too_shallow_for_context_layers(target):
+    drafter = make_drafter(target, "markov")  # context layers [1, 3] of 6
+    other = tiny_target(layers=2)
+    with pytest.raises(ValueError, match="dspark train"):
+        drafter.bind(other)
+
+
+def test_bind_warns_on_other_target_name(target):
+    drafter = DSparkDrafter(DSparkConfig.for_target(target, num_context_layers=2, num_hidden_layers=1, sequential_rank=RANK))
+    assert drafter.config.target_name_or_path == "tiny/target"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        drafter.bind(target)  # same name: silent
+        drafter.bind(target)  # binding again is free
+    renamed = tiny_target(name="someone/else")
+    with pytest.warns(UserWarning, match="someone/else"):
+        drafter.bind(renamed)
+    unnamed = tiny_target(name="")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        drafter.bind(unnamed)  # an in-memory target has no name to compare
+
+
+def test_context_feature_width_mismatch_raises(target):
+    drafter = make_drafter(target, "markov")
+    width = drafter.config.context_width
+    bad = torch.zeros(1, 4, width - D)
+    with pytest.raises(ValueError, match=str(width)):
+        drafter.encode_context(bad)
+    with pytest.raises(ValueError, match="width"):
+        drafter.extend_context(drafter.new_context(), bad)
+    with pytest.raises(ValueError, match="width"):
+        drafter(bad, torch.tensor([[2]]), torch.zeros(1, 1, 4, dtype=torch.long))
+
+
+# ------------------------------------------------------------------------------- calibration
+def test_calibration_json_saved_and_loaded_with_the_drafter(target, tmp_path):
+    drafter = make_drafter(target, "markov")
+    drafter.save_pretrained(tmp_path / "plain")
+    assert not (tmp_path / "plain" / CALIBRATION_FILE).exists()
+    assert DSparkDrafter.from_pretrained(tmp_path / "plain").calibration is None
+
+    temps = [0.5, 1.25, 2.0, 3.5]
+    drafter.calibration = SequentialTemperatureScaling(temperatures=temps)
+    drafter.save_pretrained(tmp_path / "cal")
+    payload = json.loads((tmp_path / "cal" / CALIBRATION_FILE).read_text())
+    assert payload["temperatures"] == temps
+    loaded = DSparkDrafter.from_pretrained(tmp_path / "cal")
+    assert isinstance(loaded.calibration, SequentialTemperatureScaling)
+    assert loaded.calibration.temperatures == temps
+    via_auto = AutoModel.from_pretrained(tmp_path / "cal")
+    assert via_auto.calibration is not None and via_auto.calibration.temperatures == temps
+
+
+# -------------------------------------------------------------------------------- Auto classes
+def test_auto_classes_resolve_dspark(target, tmp_path):
+    config = AutoConfig.for_model("dspark", vocab_size=V, hidden_size=D, target_num_layers=6, target_layer_ids=[1, 3],
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                                  num_hidden_layers=1, sequential_rank=RANK)
+    assert type(config) is DSparkConfig
+    model = AutoModel.from_config(config)
+    assert type(model) is DSparkDrafter
+
+    drafter = make_drafter(target, "rnn")
+    drafter.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "dspark"
+    assert type(AutoConfig.from_pretrained(tmp_path)) is DSparkConfig
+    loaded = AutoModel.from_pretrained(tmp_path)
+    assert type(loaded) is DSparkDrafter
+    for (k, a), (k2, b) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
+        assert k == k2 and torch.equal(a, b), k
