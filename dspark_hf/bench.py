@@ -1,5 +1,997 @@
-"""placeholder: being written"""
+"""``dspark bench``: one command, one run, the paper's §4 measurements on this machine.
+
+What is measured (paper §4; symbols as in :mod:`dspark_hf.calibration`):
+
+1. τ, accepted length per round INCLUDING the bonus token, under fixed-length verification (every
+   round verifies all γ drafts: the Table 1 protocol), greedy and T = 1 sampling, per suite and as
+   the macro average over suites; ``tau_ratio_dspark_over_dflash`` = macro τ(dspark) / macro τ(dflash).
+2. Position-wise conditional acceptance P(n >= k | n >= k-1) from the same fixed rounds (Fig. 2).
+3. Confidence: ECE of the prefix survival a_k before / after STS, ROC-AUC of c_k per position, and a
+   static threshold sweep replayed offline on the recorded fixed rounds (Fig. 5).
+4. Wall clock, greedy: tokens/s and speedup over plain ``generate`` of plain, prompt lookup, the
+   built-in ``speculation_type="dflash"`` path (parallel drafters, through :class:`BuiltinDFlashAdapter`)
+   and every drafter's verification modes; methods interleaved prompt by prompt, every greedy
+   speculative output checked token-identical to plain ``generate``.
+5. The machine's SPS curve and each drafter's cost per round (median draft ms vs verify ms).
+
+Layout: suites (prompt sources) -> pure metrics -> runner (two passes over the prompts) -> report
+(JSON, Markdown, PNG). The runner works on token ids only, so tests drive it with a tiny random model.
+
+Suites: ``code`` = HumanEval; ``chat`` = held-out ShareGPT (``sharegpt_prompts("test")``, never
+train/validation/calibration) minus the math ones; ``math`` = the held-out ShareGPT conversations that
+:func:`is_math_problem` accepts; ``custom`` = a JSONL file of ``{"prompt": ...}`` lines.
+
+Budget of the defaults (8 prompts per suite, 128 new tokens, three drafters) on a 2-core CPU where plain
+greedy runs at ~15 tok/s: pass 1 runs 2 fixed-length generations per drafter and prompt, pass 2 about
+ten timed greedy generations per prompt; ~25 prompts x ~16 generations x ~5 s ≈ 35-45 min.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DRAFTERS = "dspark=model_cards/dspark-smollm2-135m-instruct,dspark-rnn=runs/dspark-rnn/final,dflash=runs/dflash/final"
+SUITES = ("code", "chat", "math")
+DEFAULT_THRESHOLDS = tuple(round(0.1 * i, 1) for i in range(10))  # 0, 0.1, ..., 0.9 (paper Fig. 5)
+SCHEMA_VERSION = 1
+
+# ------------------------------------------------------------------------------------------ suites
+# Math filter (documented, deliberately simple): a math keyword or an arithmetic expression in the first
+# 400 characters, at most 1000 characters long, and no sign of code or of a writing/role-play task.
+MATH_PATTERN = re.compile(
+    r"\b(solve|equations?|integrals?|derivatives?|probability|algebra|calculus|geometry|theorem|arithmetic|"
+    r"fractions?|factorial|prime numbers?|square roots?|irrational|circumference|math(s|ematics|ematical)?|"
+    r"how many|how much)\b"
+    r"|(?<![\w.])\d+(\.\d+)?\s*[+*×÷^=]\s*\(?\d"  # 2*(5/4), 3 + 4, x = 2 (not chess "Re1+ 14")
+    r"|\d\s+[-/]\s+\d",  # 7 - 3, 8 / 2 (not ranges like 5-9 or dates like 2023/24)
+    re.IGNORECASE,
+)
+NOT_MATH_PATTERN = re.compile(
+    r"```|\b(import|def|function|class|code|program\w*|api|udf|python|java(script)?|sql|go)\b"
+    r"|^\s*(write|act as|you are|pretend|please write|here is)\b",
+    re.IGNORECASE,
+)
+MATH_MAX_CHARS = 1000
+
+
+def is_math_problem(text: str) -> bool:
+    """Whether a ShareGPT opening turn reads like a math question (see ``MATH_PATTERN``)."""
+    return len(text) <= MATH_MAX_CHARS and bool(MATH_PATTERN.search(text[:400])) and not NOT_MATH_PATTERN.search(text)
+
+
+def read_prompts_file(path: str | os.PathLike) -> list[tuple[str, str]]:
+    """``(id, prompt)`` pairs of a JSONL file with one ``{"prompt": ...}`` object per line (``id`` optional).
+
+    Raises:
+        ValueError: a non-empty line that is not a JSON object with a string ``prompt``.
+    """
+    pairs = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise ValueError(f"{path}:{number}: expected a JSON object with a string 'prompt', got {line[:80]!r}")
+        pairs.append((str(record.get("id", number)), record["prompt"]))
+    return pairs
+
+
+def suite_texts(names: Sequence[str], prompts_file: str | None = None) -> dict[str, list[tuple[str, str]]]:
+    """``{suite: [(id, prompt), ...]}`` in each source's fixed order (no token filter, no limit yet).
+
+    Raises:
+        ValueError: an unknown suite, or ``custom`` without ``prompts_file``.
+    """
+    from .data import humaneval_prompts, sharegpt_prompts
+
+    unknown = set(names) - {*SUITES, "custom"}
+    if unknown:
+        raise ValueError(f"unknown suites {sorted(unknown)}; choose from {[*SUITES, 'custom']}")
+    held_out = sharegpt_prompts("test") if {"chat", "math"} & set(names) else []
+    sources = {
+        "code": lambda: humaneval_prompts(),
+        "chat": lambda: [(i, p) for i, p in held_out if not is_math_problem(p)],
+        "math": lambda: [(i, p) for i, p in held_out if is_math_problem(p)],
+        "custom": lambda: read_prompts_file(prompts_file),
+    }
+    if "custom" in names and prompts_file is None:
+        raise ValueError("the custom suite needs --prompts FILE.jsonl")
+    return {name: sources[name]() for name in names}
+
+
+def encode_suites(tokenizer, texts: dict[str, list[tuple[str, str]]], limit: int, max_prompt_tokens: int):
+    """The first ``limit`` prompts of each suite whose chat-formatted ids fit ``max_prompt_tokens``.
+
+    Returns:
+        ``({suite: [(id, ids), ...]}, {suite: n_skipped_too_long})``.
+    """
+    from .data import chat_ids
+
+    suites, skipped = {}, {}
+    for name, pairs in texts.items():
+        kept, skipped[name] = [], 0
+        for record_id, prompt in pairs:
+            if len(kept) == limit:
+                break
+            ids = chat_ids(tokenizer, prompt)
+            if len(ids) > max_prompt_tokens:
+                skipped[name] += 1
+                continue
+            kept.append((record_id, ids))
+        suites[name] = kept
+    return suites, skipped
+
+
+# ---------------------------------------------------------------------------------- pure metrics
+def tau(accepted: Sequence[int]) -> float | None:
+    """Mean accepted length per round, bonus token included (paper Table 1): ``mean(n + 1)``.
+
+    Args:
+        accepted: draft tokens accepted per round (bonus excluded), any number of rounds.
+
+    Returns:
+        τ, or ``None`` for no rounds.
+    """
+    return sum(n + 1 for n in accepted) / len(accepted) if len(accepted) else None
+
+
+def conditional_acceptance(accepted: Sequence[int], gamma: int) -> list[float | None]:
+    """Position-wise conditional acceptance ``P(n >= k | n >= k - 1)`` for ``k = 1..γ`` (paper Fig. 2).
+
+    Args:
+        accepted: draft tokens accepted per round, from rounds that verified all γ drafts.
+        gamma: drafts per round γ.
+
+    Returns:
+        γ values; ``None`` where no round reached position ``k`` (denominator 0).
+    """
+    reached = [sum(n >= k for n in accepted) for k in range(gamma + 1)]  # reached[k] = #(n >= k)
+    return [reached[k] / reached[k - 1] if reached[k - 1] else None for k in range(1, gamma + 1)]
+
+
+def _prefix_length(confidences: Sequence[float], threshold: float) -> int:
+    """ℓ = longest prefix with every ``c_k >= threshold`` (the ``"threshold"`` verification mode)."""
+    length = 0
+    for c in confidences:
+        if c < threshold:
+            break
+        length += 1
+    return length
+
+
+def threshold_sweep(confidences: Sequence[Sequence[float]], accepted: Sequence[int], thresholds: Sequence[float],
+                    step_seconds: Sequence[float] | None = None) -> list[dict]:
+    """Static-threshold verification replayed on fixed-length rounds (paper Fig. 5).
+
+    A round verified with prefix ℓ accepts ``min(n, ℓ)`` drafts (acceptance is a prefix; exact for greedy
+    decoding, the coupled estimate for sampling) and rejects ``ℓ - min(n, ℓ)``. Threshold 0 is fixed
+    verification.
+
+    Args:
+        confidences: raw ``c_k`` per round, ``N`` rows of γ values.
+        accepted: drafts accepted per round under fixed verification, ``N`` values in ``0..γ``.
+        thresholds: the thresholds ``t`` to replay.
+        step_seconds: optional ``step_seconds[ℓ]`` = seconds of one round that verifies ℓ drafts (draft
+            cost + ``1 / SPS(ℓ + 1)``), ``ℓ = 0..γ``; adds ``modelled_tokens_per_s``.
+
+    Returns:
+        One dict per threshold: ``threshold``, ``rounds``, ``accepted_per_step`` (``mean(min(n, ℓ) + 1)``,
+        bonus included, = τ), ``rejected_per_step``, ``verified_per_step`` (mean ℓ), ``acceptance_rate``
+        (``Σ(min(n, ℓ) + 1) / Σ(ℓ + 1)``, bonus included as in the paper), ``draft_acceptance_rate``
+        (``Σ min(n, ℓ) / Σ ℓ``, ``None`` when nothing is verified) and optionally ``modelled_tokens_per_s``.
+    """
+    if len(confidences) != len(accepted):
+        raise ValueError(f"{len(confidences)} confidence rows but {len(accepted)} accepted counts")
+    n_rounds, rows = len(accepted), []
+    for t in thresholds:
+        lengths = [_prefix_length(c, t) for c, n in zip(confidences, accepted)]
+        kept = [min(n, length) for n, length in zip(accepted, lengths)]
+        row = dict(
+            threshold=t,
+            rounds=n_rounds,
+            accepted_per_step=sum(k + 1 for k in kept) / n_rounds if n_rounds else None,
+            rejected_per_step=sum(ell - k for ell, k in zip(lengths, kept)) / n_rounds if n_rounds else None,
+            verified_per_step=sum(lengths) / n_rounds if n_rounds else None,
+            acceptance_rate=sum(k + 1 for k in kept) / (sum(lengths) + n_rounds) if n_rounds else None,
+            draft_acceptance_rate=sum(kept) / sum(lengths) if sum(lengths) else None,
+        )
+        if step_seconds is not None and n_rounds:
+            row["modelled_tokens_per_s"] = sum(k + 1 for k in kept) / sum(step_seconds[ell] for ell in lengths)
+        rows.append(row)
+    return rows
+
+
+def best_threshold(sweep: Sequence[dict]) -> float | None:
+    """The threshold with the highest ``modelled_tokens_per_s`` (the lowest one on ties); ``None`` if unmodelled."""
+    scored = [r for r in sweep if r.get("modelled_tokens_per_s") is not None]
+    return max(scored, key=lambda r: (r["modelled_tokens_per_s"], -r["threshold"]))["threshold"] if scored else None
+
+
+def full_rounds(stats_list, gamma: int) -> tuple[list[int], list[list[float]]]:
+    """Rounds that verified all γ drafts, pooled over generations: ``(accepted, confidences)``.
+
+    The last round of every generation is dropped (EOS or the token budget may cut its acceptance short),
+    as :meth:`dspark_hf.GenerationStats.full_rounds` does; ``confidences`` is empty for drafters without a
+    confidence head.
+    """
+    accepted, confidences = [], []
+    for stats in stats_list:
+        for r in stats.rounds[:-1]:
+            if r.drafted == r.scheduled == gamma:
+                accepted.append(r.accepted)
+                if r.confidences:
+                    confidences.append(list(r.confidences))
+    return accepted, confidences
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token of two sequences (a length difference counts), ``None`` if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def median(values: Sequence[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def confidence_summary(confidences: Sequence[Sequence[float]], accepted: Sequence[int], calibration,
+                       n_bins: int = 15) -> dict | None:
+    """ECE of ``a_k`` before / after STS and ROC-AUC of ``c_k`` per position (paper §4, Fig. 6).
+
+    A thin view of :meth:`dspark_hf.SequentialTemperatureScaling.report`; ``None`` without rounds.
+    """
+    if not confidences:
+        return None
+    report = calibration.report(torch.tensor(confidences, dtype=torch.float64), torch.tensor(accepted), n_bins)
+    keys = ("position", "temperature", "survival_rate", "ece_before", "ece_after", "roc_auc", "n_conditional")
+    return {
+        "rounds": report["n_rounds"],
+        "mean_ece_before": report["mean_ece_before"],
+        "mean_ece_after": report["mean_ece_after"],
+        "positions": [{k: p[k] for k in keys} for p in report["positions"]],
+    }
+
+
+# ------------------------------------------------------------------------ built-in DFlash adapter
+class BuiltinDFlashAdapter(torch.nn.Module):
+    """A parallel DSpark drafter (``sequential_head="none"``) behind transformers' built-in DFlash interface.
+
+    ``target.generate(..., assistant_model=adapter, speculation_type="dflash")`` runs transformers' own
+    ``DFlashTokenCandidateGenerator``: it feeds ``[anchor, mask x (block_size - 1)]`` embeddings plus the
+    target features of the newly accepted positions and drafts ``argmax lm_head(last_hidden_state[:, 1:])``.
+    Our drafter predicts draft k from block slot k - 1 (the anchor is prediction slot 1), so the adapter
+    declares ``block_size = γ + 1`` and returns ``[h_1, h_1, ..., h_γ]`` (slot 0 is never read). What differs
+    from the drafter's own path, by construction of the built-in one:
+
+    * the mask slots use the drafter's learned mask embedding, not the target's embedding of
+      ``mask_token_id`` (SmolLM2 has no mask token; ``mask_token_id = 0`` is a placeholder the adapter
+      never reads);
+    * logits come from the target's FULL lm_head, so a restricted draft vocabulary is not enforced;
+    * the context K/V live in the drafter's own :class:`~dspark_hf.model.DraftContext` (reset whenever the
+      generator brings a new ``DFlashCache``, i.e. per ``generate`` call), which holds accepted positions
+      only, so the generator's ``cache.crop`` has nothing to remove.
+
+    Attributes:
+        rounds: forward calls (= drafted blocks) since the last ``generate`` started.
+    """
+
+    def __init__(self, drafter, gamma: int):
+        super().__init__()
+        if drafter.config.sequential_head != "none":
+            raise ValueError("the built-in DFlash path has no sequential head; adapt only parallel drafters "
+                             f"(sequential_head='none'), not {drafter.config.sequential_head!r}")
+        self.drafter = drafter
+        self.config = copy.deepcopy(drafter.config)
+        self.config.block_size = gamma + 1  # anchor slot + γ draft slots
+        self.config.mask_token_id = 0  # placeholder: the mask slots use drafter.mask_embedding
+        self._cache, self._context, self.rounds = None, None, 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.drafter.mask_embedding.device
+
+    @torch.no_grad()
+    def forward(self, noise_embeds, context_hidden_states, position_ids, attention_mask=None, cache=None, **kwargs):
+        """``noise_embeds`` ``(1, γ + 1, d)``, ``context_hidden_states`` ``(1, n_new, m*d)`` -> ``.last_hidden_state`` ``(1, γ + 1, d)``."""
+        from transformers.modeling_outputs import BaseModelOutput
+
+        if cache is None or cache is not self._cache:  # a new generate call
+            self._cache, self._context, self.rounds = cache, self.drafter.new_context(), 0
+        context = self._context
+        self.drafter.extend_context(context, context_hidden_states.to(self.drafter.mask_embedding.dtype))
+        gamma = noise_embeds.shape[1] - 1
+        anchor_position = int(position_ids[0, -(gamma + 1)])
+        if anchor_position != context.length:
+            raise RuntimeError(f"built-in DFlash positions out of step: anchor at {anchor_position}, "
+                               f"drafter context holds {context.length} positions")
+        d = noise_embeds.shape[-1]
+        block = torch.cat([noise_embeds[:, :1].to(self.drafter.mask_embedding.dtype),
+                           self.drafter.mask_embedding.expand(1, gamma - 1, d)], dim=1)  # (1, γ, d)
+        positions = torch.arange(context.length, context.length + gamma, device=block.device)[None]  # (1, γ)
+        hidden = self.drafter.backbone(block, positions, context.layers)  # (1, γ, d)
+        self.rounds += 1
+        return BaseModelOutput(last_hidden_state=torch.cat([hidden[:, :1], hidden], dim=1))  # (1, γ + 1, d)
+
+
+# ------------------------------------------------------------------------------------------ runner
+@dataclass
+class BenchSettings:
+    """What one bench run does (CLI flags of the same names)."""
+
+    gamma: int = 7  # drafts per round γ, paper Table 1
+    max_new_tokens: int = 128  # per generation
+    limit: int = 8  # prompts per suite
+    max_prompt_tokens: int = 320  # longer chat-formatted prompts are skipped (the training data used <= 320)
+    thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS  # static threshold sweep (paper Fig. 5)
+    sampling_temperature: float = 1.0  # the T = 1 protocol of paper §4.1
+    prompt_lookup_num_tokens: int = 7  # prompt-lookup baseline (transformers' PromptLookupCandidateGenerator)
+    warmup_tokens: int = 8  # one untimed generation per method before pass 2
+
+    def __post_init__(self):
+        if self.gamma < 1 or self.max_new_tokens < 2 or self.limit < 1:
+            raise ValueError("gamma >= 1, max_new_tokens >= 2 and limit >= 1 are required")
+
+
+@dataclass
+class Method:
+    """One timed greedy decoding method of pass 2.
+
+    Attributes:
+        name: ``plain``, ``prompt-lookup``, ``<drafter>:<mode>`` or ``<drafter>:builtin-dflash``.
+        drafter: the DSpark drafter's name, or ``None``.
+        kwargs: extra ``generate`` keyword arguments.
+        adapter: the :class:`BuiltinDFlashAdapter` of a built-in DFlash method.
+    """
+
+    name: str
+    drafter: str | None = None
+    kwargs: dict = field(default_factory=dict)
+    adapter: BuiltinDFlashAdapter | None = None
+
+    def run(self, target, ids, max_new_tokens, drafters, seed=0):
+        from .evaluation import timed_generate
+
+        drafter = drafters[self.drafter] if self.drafter and self.adapter is None else None
+        run = timed_generate(target, ids, max_new_tokens, 0.0, drafter, seed=seed, **self.kwargs)
+        if self.adapter is not None:  # τ estimate: the prefill token is not a round
+            run.builtin_rounds = self.adapter.rounds
+        return run
+
+
+def modes_of(drafter) -> list[str]:
+    """Verification modes a drafter can run: fixed always; threshold and scheduler need the confidence head."""
+    return ["fixed", "threshold", "scheduler"] if drafter.confidence is not None else ["fixed"]
+
+
+def plan_methods(drafters: dict, adapters: dict, thresholds: dict, settings: BenchSettings) -> list[Method]:
+    """Pass-2 methods: plain, prompt lookup, built-in DFlash, then every drafter's modes."""
+    methods = [Method("plain"), Method("prompt-lookup", kwargs={"prompt_lookup_num_tokens": settings.prompt_lookup_num_tokens})]
+    for name, adapter in adapters.items():
+        methods.append(Method(f"{name}:builtin-dflash", name,
+                              {"assistant_model": adapter, "speculation_type": "dflash"}, adapter))
+    for name, drafter in drafters.items():
+        for mode in modes_of(drafter):
+            kwargs = {"dspark_verification": mode, "dspark_block_size": settings.gamma}
+            if mode == "threshold":
+                if thresholds.get(name) is None:
+                    continue
+                kwargs["dspark_threshold"] = thresholds[name]
+            methods.append(Method(f"{name}:{mode}", name, kwargs))
+    return methods
+
+
+def _log_default(*args):
+    print(*args, file=sys.stderr, flush=True)
+
+
+def rounds_pass(target, drafters, suites, settings: BenchSettings, log=_log_default) -> dict:
+    """Pass 1: fixed-length generations (greedy and T = 1) of every drafter on every prompt.
+
+    Returns:
+        ``{"greedy"|"t1": {drafter: {suite: [GenerationStats, ...]}}}``.
+    """
+    from .evaluation import timed_generate
+
+    temps = {"greedy": 0.0, "t1": settings.sampling_temperature}
+    out = {key: {d: {s: [] for s in suites} for d in drafters} for key in temps}
+    for suite, prompts in suites.items():
+        for index, (prompt_id, ids) in enumerate(prompts):
+            for name, drafter in drafters.items():
+                for key, temperature in temps.items():
+                    run = timed_generate(target, ids, settings.max_new_tokens, temperature, drafter, seed=index,
+                                         dspark_verification="fixed", dspark_block_size=settings.gamma)
+                    out[key][name][suite].append(run.stats)
+                    log(f"[rounds] {suite} {index + 1}/{len(prompts)} {name} {key}: τ={run.stats.tau:.2f} "
+                        f"({len(run.tokens)} tok, {run.seconds:.1f} s)")
+    return out
+
+
+def wall_clock_pass(target, drafters, methods: list[Method], suites, settings: BenchSettings, log=_log_default) -> dict:
+    """Pass 2: every method on every prompt, interleaved (order rotated per prompt), greedy.
+
+    Returns:
+        ``{suite: [{"id", "prompt_tokens", "runs": {method: {"tokens", "seconds", "stats"|"builtin_rounds"}}}]}``.
+    """
+    first = next((p for prompts in suites.values() for p in prompts), None)
+    if first is not None and settings.warmup_tokens > 0:  # allocator, kernels and lazy SPS profiling, untimed
+        for method in methods:
+            method.run(target, first[1], settings.warmup_tokens, drafters)
+    out = {}
+    counter = 0
+    for suite, prompts in suites.items():
+        out[suite] = []
+        for index, (prompt_id, ids) in enumerate(prompts):
+            shift = counter % len(methods)
+            counter += 1
+            runs = {}
+            for method in methods[shift:] + methods[:shift]:
+                runs[method.name] = method.run(target, ids, settings.max_new_tokens, drafters)
+            plain = runs["plain"]
+            log(f"[wall] {suite} {index + 1}/{len(prompts)}: plain {plain.tokens_per_s:.1f} tok/s; " + ", ".join(
+                f"{m.name} x{runs[m.name].tokens_per_s / plain.tokens_per_s:.2f}" for m in methods[1:]))
+            out[suite].append({"id": prompt_id, "prompt_tokens": len(ids), "runs": runs})
+    return out
+
+
+def _tau_of_run(run) -> float | None:
+    if run.stats is not None:
+        return run.stats.tau
+    rounds = getattr(run, "builtin_rounds", None)
+    return (len(run.tokens) - 1) / rounds if rounds else None
+
+
+def summarize_wall_clock(records: dict, methods: list[Method], log=_log_default) -> tuple[dict, list[dict]]:
+    """Per suite and method: median tok/s, speedups, τ, mismatches against plain greedy output.
+
+    Returns:
+        ``(summary, mismatches)``; every mismatch is also logged.
+    """
+    summary, mismatches = {}, []
+    for suite, prompts in records.items():
+        per_method = {}
+        for method in methods:
+            rows = []
+            for p in prompts:
+                run, plain = p["runs"][method.name], p["runs"]["plain"]
+                where = first_divergence(run.tokens, plain.tokens)
+                if where is not None:
+                    mismatches.append({"suite": suite, "prompt": p["id"], "method": method.name, "position": where,
+                                       "tokens": len(run.tokens), "plain_tokens": len(plain.tokens)})
+                    log(f"MISMATCH {suite}/{p['id']} {method.name}: differs from plain greedy at new token {where}")
+                rows.append({
+                    "id": p["id"],
+                    "new_tokens": len(run.tokens),
+                    "seconds": run.seconds,
+                    "tokens_per_s": run.tokens_per_s,
+                    "speedup": run.tokens_per_s / plain.tokens_per_s,
+                    "tau": _tau_of_run(run),
+                    "identical": where is None,
+                })
+            plain_median = median([p["runs"]["plain"].tokens_per_s for p in prompts])
+            tps = median([r["tokens_per_s"] for r in rows])
+            per_method[method.name] = {
+                "median_tokens_per_s": tps,
+                "median_speedup": median([r["speedup"] for r in rows]),  # median of per-prompt ratios
+                "speedup_of_medians": tps / plain_median if tps and plain_median else None,
+                "tau": tau_mean([r["tau"] for r in rows]),
+                "mismatches": sum(not r["identical"] for r in rows),
+                "per_prompt": rows,
+            }
+        summary[suite] = per_method
+    return summary, mismatches
+
+
+def tau_mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def round_costs(records: dict, methods: list[Method]) -> dict:
+    """Median draft ms and verify ms per round of every DSpark method in pass 2 (after warm-up)."""
+    costs = {}
+    for method in methods:
+        if method.drafter is None or method.adapter is not None:
+            continue
+        rounds = [r for prompts in records.values() for p in prompts for r in p["runs"][method.name].stats.rounds]
+        costs[method.name] = {
+            "rounds": len(rounds),
+            "median_draft_ms": median([r.draft_ms for r in rounds]),
+            "median_verify_ms": median([r.verify_ms for r in rounds if r.verify_ms > 0]),
+            "mean_scheduled": sum(r.scheduled for r in rounds) / len(rounds) if rounds else None,
+        }
+    return costs
+
+
+def step_seconds_table(sps, draft_ms: float | None, gamma: int) -> list[float] | None:
+    """``[draft + 1 / SPS(ℓ + 1) for ℓ = 0..γ]`` in seconds (``None`` when the curve is too short)."""
+    if sps is None or len(sps.steps_per_s) < gamma + 1:
+        return None
+    return [(draft_ms or 0.0) / 1e3 + 1.0 / sps.steps_per_s[ell] for ell in range(gamma + 1)]
+
+
+def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps=None, notes: list[str] | None = None,
+              builtin_dflash: bool = True, command: str = "", log: Callable = _log_default) -> tuple[dict, dict]:
+    """Run the whole bench on prompts given as token ids.
+
+    Args:
+        target: the causal LM (eval mode).
+        drafters: ``{name: DSparkDrafter}``, bound to ``target``, each with a ``calibration``.
+        suites: ``{suite: [(prompt_id, ids), ...]}``.
+        settings: :class:`BenchSettings`.
+        sps: the target's :class:`~dspark_hf.SPSCurve` (default: :func:`~dspark_hf.load_or_profile_sps`);
+            it is also the scheduler's curve for every drafter.
+        notes: notes gathered while loading, carried into the result.
+        builtin_dflash: also time the built-in DFlash path for parallel drafters.
+        command: the command line recorded in ``result["machine"]``.
+
+    Returns:
+        ``(result, raw)``: the JSON-ready result and the raw records the plots need.
+    """
+    from .profiling import load_or_profile_sps
+
+    notes = list(notes or [])
+    gamma = settings.gamma
+    start = time.perf_counter()
+    # Phase 0: the machine's SPS curve; the scheduler of every drafter uses the same one.
+    sps = sps or load_or_profile_sps(target, max_tokens=max(32, gamma + 1))
+    for drafter in drafters.values():
+        drafter.set_sps_curve(sps)
+
+    # Phase 1: fixed-length rounds -> τ, conditional acceptance, confidence, threshold sweep.
+    log(f"[bench] pass 1: fixed-length rounds (γ={gamma}) of {len(drafters)} drafters on "
+        f"{sum(map(len, suites.values()))} prompts")
+    stats = rounds_pass(target, drafters, suites, settings, log)
+    taus, cond = {}, {}
+    for key, per_drafter in stats.items():
+        taus[key], cond[key] = {}, {s: {} for s in suites}
+        for name, per_suite in per_drafter.items():
+            row = {s: tau([r.accepted for st in per_suite[s] for r in st.rounds]) for s in suites}
+            row["macro"] = tau_mean([row[s] for s in suites])
+            taus[key][name] = row
+            for s in suites:
+                cond[key][s][name] = conditional_acceptance(full_rounds(per_suite[s], gamma)[0], gamma)
+    ratios = {}
+    for key in taus:
+        a, b = (taus[key].get(n, {}).get("macro") for n in ("dspark", "dflash"))
+        ratios[key] = a / b if a and b else None
+    if ratios.get("greedy") is None:
+        notes.append("tau_ratio_dspark_over_dflash needs drafters named 'dspark' and 'dflash'; not computed.")
+
+    confidence, thresholds = {}, {}
+    for name, drafter in drafters.items():
+        if drafter.confidence is None:
+            continue
+        draft_ms = median([r.draft_ms for st in sum(stats["greedy"][name].values(), []) for r in st.rounds])
+        table = step_seconds_table(sps, draft_ms, gamma)
+        entry = {"step_seconds": table, "suites": {}}
+        for s in [*suites, "all"]:
+            per = sum(stats["greedy"][name].values(), []) if s == "all" else stats["greedy"][name][s]
+            accepted, confs = full_rounds(per, gamma)
+            entry["suites"][s] = {
+                "calibration": confidence_summary(confs, accepted, drafter.calibration),
+                "threshold_sweep": threshold_sweep(confs, accepted, settings.thresholds, table) if confs else [],
+            }
+        thresholds[name] = best_threshold(entry["suites"]["all"]["threshold_sweep"])
+        entry["best_threshold"] = thresholds[name]
+        confidence[name] = entry
+
+    # Phase 2: wall clock, greedy, methods interleaved prompt by prompt.
+    adapters, builtin = {}, {}
+    parallel = [n for n, d in drafters.items() if d.config.sequential_head == "none"]
+    if builtin_dflash and parallel:
+        adapters = {n: BuiltinDFlashAdapter(drafters[n], gamma) for n in parallel}
+        builtin = {"status": "adapted", "drafters": parallel, "note": BUILTIN_NOTE}
+    else:
+        builtin = {"status": "not run", "drafters": [],
+                   "note": "no parallel (sequential_head='none') drafter loaded" if builtin_dflash else "disabled"}
+    methods = plan_methods(drafters, adapters, thresholds, settings)
+    log(f"[bench] pass 2: wall clock of {len(methods)} methods: {', '.join(m.name for m in methods)}")
+    records = wall_clock_pass(target, drafters, methods, suites, settings, log)
+    wall, mismatches = summarize_wall_clock(records, methods, log)
+    log(f"[bench] greedy mismatches against plain generate: {len(mismatches)}")
+
+    result = {
+        "schema_version": SCHEMA_VERSION,
+        "machine": machine_info(command),
+        "settings": {**asdict(settings), "thresholds": list(settings.thresholds),
+                     "math_filter": {"keywords_or_arithmetic": MATH_PATTERN.pattern, "excluded": NOT_MATH_PATTERN.pattern,
+                                     "max_chars": MATH_MAX_CHARS}},
+        "suites": {s: {"n_prompts": len(p), "ids": [i for i, _ in p], "prompt_tokens": [len(x) for _, x in p]}
+                   for s, p in suites.items()},
+        "drafters": {n: describe_drafter(d) for n, d in drafters.items()},
+        "tau_ratio_dspark_over_dflash": ratios.get("greedy"),
+        "tau_ratios": ratios,
+        "tau": taus,
+        "conditional_acceptance": cond,
+        "confidence": confidence,
+        "wall_clock": {"methods": [m.name for m in methods],
+                       "thresholds": {n: t for n, t in thresholds.items()},
+                       "suites": wall,
+                       "mismatches_total": len(mismatches),
+                       "mismatches": mismatches},
+        "builtin_dflash": builtin,
+        "sps": {"steps_per_s": sps.steps_per_s, "ms_per_step": [1e3 / s for s in sps.steps_per_s],
+                "device_name": sps.device_name, "context_len": sps.context_len, "target_name": sps.target_name},
+        "round_cost": round_costs(records, methods),
+        "notes": notes,
+        "runtime_s": time.perf_counter() - start,
+    }
+    return _json_safe(result), {"stats": stats, "records": records}
+
+
+BUILTIN_NOTE = (
+    "transformers' DFlashTokenCandidateGenerator runs unchanged through BuiltinDFlashAdapter: the adapter "
+    "implements forward(noise_embeds, context_hidden_states, position_ids, attention_mask, cache) with "
+    "block_size = γ + 1 (the built-in path reads slots 1.., ours predicts from slot 0). SmolLM2 has no mask "
+    "token: mask_token_id = 0 is a placeholder and the mask slots use the drafter's learned mask embedding. "
+    "The built-in path applies the target's full lm_head, so a restricted draft vocabulary is not enforced "
+    "(drafts can differ from the drafter's own 'fixed' path)."
+)
+
+
+def describe_drafter(drafter) -> dict:
+    cfg = drafter.config
+    return {
+        "path": getattr(drafter, "bench_path", None),
+        "sequential_head": cfg.sequential_head,
+        "confidence_head": drafter.confidence is not None,
+        "block_size": cfg.block_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "calibration": getattr(drafter, "bench_calibration", "calibration.json"),
+        "modes": modes_of(drafter),
+    }
+
+
+# ------------------------------------------------------------------------------------------ loading
+def parse_drafters(spec: str) -> dict[str, str]:
+    """``"a=PATH,b=PATH"`` -> ``{"a": "PATH", "b": "PATH"}``.
+
+    Raises:
+        ValueError: an entry without ``=`` or a repeated name.
+    """
+    out = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--drafters entries are name=PATH, got {item!r}")
+        if name in out:
+            raise ValueError(f"drafter name {name!r} given twice")
+        out[name] = path
+    return out
+
+
+def load_drafters(spec: dict[str, str], target, gamma: int, log=_log_default) -> tuple[dict, list[str]]:
+    """Load every drafter folder that exists (relative paths: CWD first, then the repo root), bind it.
+
+    A drafter with a confidence head but no ``calibration.json`` gets identity STS (all T = 1), and a note.
+
+    Returns:
+        ``({name: drafter}, notes)``.
+
+    Raises:
+        ValueError: a calibration that covers fewer than γ positions.
+    """
+    from .calibration import SequentialTemperatureScaling
+    from .model import DSparkDrafter
+
+    drafters, notes = {}, []
+    for name, path in spec.items():
+        folder = Path(path)
+        if not folder.is_dir() and not folder.is_absolute() and (REPO_ROOT / folder).is_dir():
+            folder = REPO_ROOT / folder
+        if not folder.is_dir():
+            note = f"drafter {name!r}: no folder at {path}; skipped."
+            log(f"note: {note}")
+            notes.append(note)
+            continue
+        drafter = DSparkDrafter.from_pretrained(str(folder)).bind(target).eval()
+        drafter.bench_path = str(folder)
+        drafter.bench_calibration = "calibration.json"
+        if drafter.confidence is not None and drafter.calibration is None:
+            drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * max(gamma, drafter.config.block_size))
+            drafter.bench_calibration = "identity (no calibration.json)"
+            note = (f"drafter {name!r} has no calibration.json: STS is the identity (all T = 1), so 'after STS' "
+                    "equals 'before' and the scheduler uses raw confidences.")
+            log(f"note: {note}")
+            notes.append(note)
+        if drafter.calibration is not None and len(drafter.calibration.temperatures) < gamma:
+            raise ValueError(f"drafter {name!r}: calibration covers {len(drafter.calibration.temperatures)} positions, "
+                             f"γ = {gamma}; pass --gamma {len(drafter.calibration.temperatures)} or recalibrate.")
+        if drafter.config.block_size != gamma:
+            notes.append(f"drafter {name!r} was trained with block_size {drafter.config.block_size}; benched at γ = {gamma}.")
+        drafters[name] = drafter
+    return drafters, notes
+
+
+def machine_info(command: str) -> dict:
+    """CPU model, cores, threads, versions, date and the exact command line."""
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+    }
+
+
+# ------------------------------------------------------------------------------------------ report
+def _fmt(value, digits=2) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(_fmt(v) if not isinstance(v, str) else v for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def markdown_report(result: dict) -> str:
+    """The tables of ``benchmarks.md``."""
+    m, s = result["machine"], result["settings"]
+    suites = list(result["suites"])
+    out = [
+        "# dspark bench",
+        "",
+        f"`{m['command']}`  ",
+        f"{m['date']} · {m['cpu']} · {m['cores']} cores ({m['torch_threads']} torch threads) · torch {m['torch']} · "
+        f"transformers {m['transformers']} · runtime {result['runtime_s'] / 60:.1f} min",
+        "",
+        f"γ = {s['gamma']}, {s['max_new_tokens']} new tokens, up to {s['limit']} prompts per suite "
+        f"(≤ {s['max_prompt_tokens']} prompt tokens): "
+        + ", ".join(f"{n} {v['n_prompts']}" for n, v in result["suites"].items()) + ".",
+        "",
+    ]
+    if result["notes"]:
+        out += ["**Notes**", ""] + [f"- {n}" for n in result["notes"]] + [""]
+    out += ["## τ (accepted length per round, bonus included; fixed-length verification)", ""]
+    for key, label in (("greedy", "greedy"), ("t1", f"T = {s['sampling_temperature']}")):
+        rows = [[name, *(row[x] for x in suites), row["macro"]] for name, row in result["tau"][key].items()]
+        out += [f"**{label}**", "", _table(["drafter", *suites, "macro"], rows), ""]
+    ratios = result["tau_ratios"]
+    out += [f"macro τ(dspark) / macro τ(dflash): greedy {_fmt(ratios.get('greedy'), 3)}, "
+            f"T = 1 {_fmt(ratios.get('t1'), 3)}", ""]
+
+    out += ["## Position-wise conditional acceptance P(n ≥ k | n ≥ k−1)", ""]
+    for key in ("greedy", "t1"):
+        for suite in suites:
+            rows = [[name, *vals] for name, vals in result["conditional_acceptance"][key][suite].items()]
+            out += [f"**{suite}, {key}** (![plot](conditional_acceptance_{suite}.png))" if key == "t1" else f"**{suite}, {key}**",
+                    "", _table(["drafter", *(f"k={k}" for k in range(1, s["gamma"] + 1))], rows), ""]
+
+    out += ["## Confidence (greedy fixed rounds)", ""]
+    for name, entry in result["confidence"].items():
+        cal = entry["suites"]["all"]["calibration"]
+        if cal is None:
+            out += [f"**{name}**: no full rounds.", ""]
+            continue
+        out += [f"**{name}** ({cal['rounds']} rounds, all suites): mean ECE of a_k {100 * cal['mean_ece_before']:.1f}% "
+                f"before STS → {100 * cal['mean_ece_after']:.1f}% after; best static threshold "
+                f"(modelled tokens/s) t = {_fmt(entry['best_threshold'], 1)}", ""]
+        rows = [[p["position"], p["survival_rate"], 100 * p["ece_before"], 100 * p["ece_after"], p["roc_auc"],
+                 p["n_conditional"]] for p in cal["positions"]]
+        out += [_table(["k", "survival", "ECE before %", "ECE after %", "ROC-AUC", "n (n ≥ k−1)"], rows), ""]
+        for suite in [*suites, "all"]:
+            sweep = entry["suites"][suite]["threshold_sweep"]
+            if not sweep:
+                continue
+            rows = [[_fmt(r["threshold"], 1), r["accepted_per_step"], r["rejected_per_step"],
+                     100 * r["acceptance_rate"], r.get("modelled_tokens_per_s")] for r in sweep]
+            out += [f"threshold sweep, {suite} (![plot](threshold_sweep_{name}.png))", "",
+                    _table(["t", "accepted/step", "rejected/step", "acceptance %", "modelled tok/s"], rows), ""]
+
+    wall = result["wall_clock"]
+    out += ["## Wall clock (greedy; methods interleaved per prompt)", "",
+            f"Greedy outputs differing from plain `generate`: **{wall['mismatches_total']}**", ""]
+    for suite, per_method in wall["suites"].items():
+        rows = [[name, v["median_tokens_per_s"], v["median_speedup"], v["speedup_of_medians"], v["tau"], v["mismatches"]]
+                for name, v in per_method.items()]
+        out += [f"**{suite}**", "", _table(["method", "median tok/s", "median per-prompt speedup",
+                                            "speedup of medians", "τ", "mismatches"], rows), ""]
+    b = result["builtin_dflash"]
+    out += [f"Built-in `speculation_type=\"dflash\"`: {b['status']}. {b['note']}", ""]
+
+    out += ["## Cost per round and SPS curve", ""]
+    rows = [[name, v["rounds"], v["median_draft_ms"], v["median_verify_ms"], v["mean_scheduled"]]
+            for name, v in result["round_cost"].items()]
+    out += [_table(["method", "rounds", "median draft ms", "median verify ms", "mean ℓ"], rows), ""]
+    sps = result["sps"]
+    shown = [b for b in (1, 2, 4, 8, 16, 32) if b <= len(sps["ms_per_step"])]
+    out += [f"SPS curve ({sps['device_name']}, context {sps['context_len']}), ms per verification step "
+            "(![plot](sps_curve.png)):", "",
+            _table(["B", *map(str, shown)], [["ms", *(sps["ms_per_step"][b - 1] for b in shown)]]), ""]
+    return "\n".join(out)
+
+
+def _figure(ncols=1, nrows=1, width=4.0, height=3.2):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width * ncols, height * nrows), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def write_plots(result: dict, raw: dict, out_dir: Path, drafters: dict) -> list[str]:
+    """Conditional acceptance per suite, threshold sweep per drafter, SPS curve, reliability, speedups."""
+    from .calibration import reliability_diagram
+
+    written, gamma = [], result["settings"]["gamma"]
+    positions = list(range(1, gamma + 1))
+    for suite in result["suites"]:  # paper Fig. 2
+        fig = _figure()
+        ax = fig.add_subplot()
+        for i, name in enumerate(result["drafters"]):
+            for key, style in (("t1", "-"), ("greedy", "--")):
+                vals = result["conditional_acceptance"][key][suite][name]
+                ys = [float("nan") if v is None else v for v in vals]
+                ax.plot(positions, ys, style, marker="o", markersize=3, color=f"C{i}", label=f"{name} ({key})")
+        ax.set(title=f"{suite}: conditional acceptance", xlabel="draft position k", ylabel="P(n ≥ k | n ≥ k−1)")
+        ax.legend(fontsize="x-small")
+        written.append(_save(fig, out_dir / f"conditional_acceptance_{suite}.png"))
+    for name, entry in result["confidence"].items():  # paper Fig. 5
+        panels = [s for s in [*result["suites"], "all"] if entry["suites"][s]["threshold_sweep"]]
+        if not panels:
+            continue
+        fig = _figure(ncols=len(panels))
+        for i, suite in enumerate(panels):
+            sweep = entry["suites"][suite]["threshold_sweep"]
+            ts = [r["threshold"] for r in sweep]
+            acc, rej = [r["accepted_per_step"] for r in sweep], [r["rejected_per_step"] for r in sweep]
+            ax = fig.add_subplot(1, len(panels), i + 1)
+            ax.bar(ts, acc, width=0.08, color="C0", label="accepted tokens")
+            ax.bar(ts, rej, width=0.08, bottom=acc, color="C3", hatch="//", alpha=0.6, label="rejected tokens")
+            ax.set(title=f"{name}: {suite}", xlabel="confidence threshold", ylabel="avg. tokens per step")
+            twin = ax.twinx()
+            twin.plot(ts, [100 * r["acceptance_rate"] for r in sweep], color="k", marker="o", markersize=3,
+                      label="acceptance rate")
+            twin.set(ylim=(0, 105), ylabel="acceptance rate %")
+            if i == 0:
+                ax.legend(fontsize="x-small", loc="upper right")
+        written.append(_save(fig, out_dir / f"threshold_sweep_{name}.png"))
+        drafter = drafters.get(name)
+        accepted, confs = full_rounds(sum(raw["stats"]["greedy"][name].values(), []), gamma)
+        if drafter is not None and confs:
+            written.append(str(reliability_diagram(torch.tensor(confs, dtype=torch.float64), torch.tensor(accepted),
+                                                   drafter.calibration, out_dir / f"reliability_{name}.png")))
+    fig = _figure()
+    ax = fig.add_subplot()
+    ms = result["sps"]["ms_per_step"]
+    ax.plot(range(1, len(ms) + 1), ms, marker="o", markersize=3)
+    ax.set(title="target verification cost", xlabel="tokens verified B", ylabel="ms per step", ylim=(0, None))
+    written.append(_save(fig, out_dir / "sps_curve.png"))
+    suites, methods = list(result["wall_clock"]["suites"]), result["wall_clock"]["methods"]
+    fig = _figure(width=max(5.0, 0.6 * len(methods) * len(suites)))
+    ax = fig.add_subplot()
+    width = 0.8 / max(len(suites), 1)
+    for i, suite in enumerate(suites):
+        vals = [result["wall_clock"]["suites"][suite][m]["median_speedup"] or 0 for m in methods]
+        ax.bar([j + i * width for j in range(len(methods))], vals, width=width, label=suite)
+    ax.axhline(1.0, color="grey", linewidth=1)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(methods))], methods, rotation=30, ha="right", fontsize="small")
+    ax.set(ylabel="median per-prompt speedup", title="greedy wall clock vs plain generate")
+    ax.legend(fontsize="x-small")
+    written.append(_save(fig, out_dir / "wall_clock_speedup.png"))
+    return [Path(p).name for p in written]
+
+
+def _save(fig, path: Path) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=110)
+    return str(path)
+
+
+def write_report(result: dict, raw: dict, out_dir: str | os.PathLike, drafters: dict) -> Path:
+    """Write ``benchmarks.json``, ``benchmarks.md`` and the PNGs into ``out_dir``; returns the JSON path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result["plots"] = write_plots(result, raw, out, drafters)
+    (out / "benchmarks.md").write_text(markdown_report(result) + "\n")
+    path = out / "benchmarks.json"
+    path.write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
+    return path
+
+
+def _json_safe(value):
+    """NaN/inf -> None, recursively (the JSON must stay strict)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def cmd_bench(args):
+    from .target import load_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    settings = BenchSettings(gamma=args.gamma, max_new_tokens=args.max_new_tokens, limit=args.limit,
+                             max_prompt_tokens=args.max_prompt_tokens, prompt_lookup_num_tokens=args.prompt_lookup)
+    names = args.suites.split(",") if args.suites else (["custom"] if args.prompts else list(SUITES))
+    if args.prompts and "custom" not in names:
+        names.append("custom")
+    target, tokenizer = load_target(args.target)
+    drafters, notes = load_drafters(parse_drafters(args.drafters), target, settings.gamma)
+    if not drafters:
+        sys.exit("No drafter found; pass --drafters name=PATH,... (see `dspark bench --help`).")
+    suites, skipped = encode_suites(tokenizer, suite_texts(names, args.prompts), settings.limit, settings.max_prompt_tokens)
+    for name, n in skipped.items():
+        if n:
+            notes.append(f"suite {name!r}: {n} prompts longer than {settings.max_prompt_tokens} tokens skipped.")
+    empty = [n for n, p in suites.items() if not p]
+    if empty:
+        sys.exit(f"Suites without prompts: {empty}")
+    result, raw = run_bench(target, drafters, suites, settings, notes=notes, builtin_dflash=not args.no_builtin_dflash,
+                            command=shlex.join(["dspark", *sys.argv[1:]]))
+    result["runtime_s"] = time.perf_counter() - started  # loading included
+    if args.out:
+        path = write_report(result, raw, args.out, drafters)
+        print(f"wrote {path}, {Path(args.out) / 'benchmarks.md'} and {len(result['plots'])} plots", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result, indent=2, allow_nan=False))
+    elif not args.out:
+        print(markdown_report(result))
 
 
 def add_cli(sub, command):
-    """Register this module's `dspark` subcommands (see cli.main)."""
+    """Register ``dspark bench`` (see cli.main)."""
+    p = command("bench", cmd_bench, "τ, acceptance, confidence and wall-clock benchmarks (JSON, Markdown, PNG)")
+    p.add_argument("--drafters", default=DEFAULT_DRAFTERS,
+                   help="name=PATH,... (missing folders are skipped with a note); names 'dspark' and 'dflash' "
+                        f"give tau_ratio_dspark_over_dflash (default: {DEFAULT_DRAFTERS})")
+    p.add_argument("--suites", default=None, help=f"comma-separated subset of {','.join(SUITES)},custom "
+                                                  "(default: all three, or only custom with --prompts)")
+    p.add_argument("--prompts", default=None, help="JSONL file, one {\"prompt\": ...} per line: the 'custom' suite")
+    p.add_argument("--limit", type=int, default=8, help="prompts per suite")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-prompt-tokens", type=int, default=320, help="skip longer chat-formatted prompts")
+    p.add_argument("--gamma", type=int, default=7, help="drafts per round γ (paper Table 1: 7)")
+    p.add_argument("--prompt-lookup", type=int, default=7, help="prompt_lookup_num_tokens of the prompt-lookup baseline")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--no-builtin-dflash", action="store_true", help="skip the built-in speculation_type='dflash' path")
+    p.add_argument("--out", default=None, help="folder for benchmarks.json, benchmarks.md and the PNGs (e.g. docs)")
+    p.add_argument("--json", action="store_true", help="print the JSON to stdout")
+    return p

@@ -179,6 +179,17 @@ def shard_features(width: int, topk: int) -> datasets.Features:
     )
 
 
+def sharegpt_queue(tokenizer, splits=("train", "validation"), max_prompt_tokens: int = 320) -> list[tuple]:
+    """``(record_id, split, prompt_ids)`` of the chat-formatted first turns of ``splits``, splits interleaved."""
+    queue = []
+    for split in splits:
+        for record_id, prompt in sharegpt_prompts(split):
+            ids = chat_ids(tokenizer, prompt)
+            if len(ids) <= max_prompt_tokens:
+                queue.append((record_id, split, ids))
+    return sorted(queue, key=lambda item: int(hashlib.sha1(item[0].encode()).hexdigest(), 16))
+
+
 def prepare_data(
     target,
     tokenizer,
@@ -186,26 +197,24 @@ def prepare_data(
     layer_ids: list[int],
     target_tokens: int = 300_000,
     batch_size: int = 32,
-    max_prompt_tokens: int = 320,
     max_new_tokens: int = 192,
     topk: int = 32,
-    splits: tuple[str, ...] = ("train", "validation"),
     sampling: dict | None = None,
+    queue: list[tuple] | None = None,
 ) -> Path:
     """Regenerate responses with the target and cache the drafter's training signals, resumably.
 
-    Stops once ``target_tokens`` response tokens are stored. Returns ``out_dir``.
+    Args:
+        queue: ``(record_id, split, prompt_ids)`` to answer, in order; default :func:`sharegpt_queue`.
+        sampling: ``generate`` sampling kwargs (default T=0.2, top-p 0.9, SmolLM2's recommendation).
+
+    Stops once ``target_tokens`` response tokens are stored; a rerun resumes after the last
+    complete shard (same queue, same batch size). Returns ``out_dir``.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     sampling = sampling or dict(do_sample=True, temperature=0.2, top_p=0.9)
-    queue = []
-    for split in splits:
-        for record_id, prompt in sharegpt_prompts(split):
-            ids = chat_ids(tokenizer, prompt)
-            if len(ids) <= max_prompt_tokens:
-                queue.append((record_id, split, ids))
-    queue.sort(key=lambda item: int(hashlib.sha1(item[0].encode()).hexdigest(), 16))  # interleave splits
+    queue = sharegpt_queue(tokenizer) if queue is None else queue
     done = sorted(out_dir.glob("shard-*"))
     stored = sum(sum(len(x) - p for x, p in zip(*_lengths(d))) for d in done)
     start = len(done) * batch_size

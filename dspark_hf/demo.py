@@ -1,5 +1,664 @@
-"""placeholder: being written"""
+"""Gradio demo: DSpark speculative decoding streamed live, each token coloured by where it came from.
+
+``dspark demo`` (or ``python demo/app.py``) serves it; :func:`build_app` and :func:`launch` are the API.
+
+How the colours are known. ``target.generate`` runs in a thread with a :class:`RoundStreamer`. Per
+speculative round transformers calls, in this order: ``get_candidates`` (the DSpark candidate
+generator appends a :class:`~dspark_hf.generation.RoundStats` with γ, ℓ and the confidences), the
+target's verification, ``streamer.put(chunk)`` with the round's accepted tokens, then
+``update_candidate_strategy`` (which fills ``RoundStats.accepted``). So at ``put`` time the newest
+``RoundStats`` belongs to the chunk iff one was appended since the previous ``put``; the chunk is
+``n`` accepted drafts followed by one target token (bonus if ``n = ℓ``, correction if ``n < ℓ``).
+Steps with no round (the prefill step, or a last step with no room to draft) give one plain target
+token. With ``RoundStats.draft_tokens`` (the γ drafted ids) the accepted prefix is matched
+token by token (exact even when EOS cuts a block short) and the rejected (``d[n:ℓ]``) and unverified
+(``d[ℓ:γ]``, pruned by the scheduler) drafts are shown; a ``RoundStats`` without the ids (an empty list)
+gets the counts only.
+
+Nothing here imports gradio at module level: ``import dspark_hf.demo`` stays cheap and the
+``demo`` extra (``pip install 'dspark-hf[demo]'``) is needed only to build or launch the app.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from .config import MAX_BLOCK_SIZE, VERIFICATION_MODES
+from .data import chat_ids
+
+# span kinds: text tokens, then the drafts that never made it into the text ("ghosts")
+DRAFT, BONUS, CORRECTION, TARGET, PLAIN = "draft", "bonus", "correction", "target", "plain"
+REJECTED, PRUNED = "rejected", "pruned"
+
+LEGEND = (
+    (DRAFT, "accepted draft", "drafted by DSpark, verified and accepted by the target"),
+    (BONUS, "target: bonus", "the target's own token after every scheduled draft was accepted"),
+    (CORRECTION, "target: correction", "the target's token replacing the first rejected draft"),
+    (TARGET, "target step", "a step with no drafts (the prefill step, or no room left to draft)"),
+    (REJECTED, "rejected draft", "verified by the target and rejected (shown struck through)"),
+    (PRUNED, "not verified", "drafted but cut by the scheduler / threshold before verification"),
+)
+
+CSS = """
+.dspark-tokens { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; font-size: 14px;
+  line-height: 1.9; white-space: pre-wrap; word-break: break-word; min-height: 3em; padding: 8px;
+  border: 1px solid #d0d4da; border-radius: 6px; background: #fff; color: #111; }
+.dspark-tokens .tok { border-radius: 3px; padding: 1px 0; }
+.tok-draft { background: #b7ebc0; }
+.tok-bonus { background: #b9d4ff; }
+.tok-correction { background: #ffc98f; }
+.tok-target { background: #dcdff5; }
+.tok-plain { background: #eceff3; }
+.tok.special { font-style: italic; opacity: 0.8; }
+.dspark-tokens.hide-ghosts .ghost { display: none; }
+.ghost { font-size: 11px; vertical-align: super; margin: 0 2px; white-space: pre; }
+.tok-rejected { color: #c62828; text-decoration: line-through; background: #fde3e3; }
+.tok-pruned { color: #7a7f87; border: 1px dashed #a8adb5; background: #f5f6f8; }
+.dspark-legend { display: flex; flex-wrap: wrap; gap: 6px 14px; font-size: 13px; color: #333; }
+.dspark-legend .tok { padding: 1px 6px; font-family: ui-monospace, monospace; border-radius: 3px; }
+.dspark-stats { display: flex; flex-wrap: wrap; gap: 8px; }
+.dspark-stats .stat { border: 1px solid #d0d4da; border-radius: 6px; padding: 4px 10px; min-width: 84px;
+  background: #fafbfc; color: #111; }
+.dspark-stats .v { display: block; font-size: 20px; font-weight: 600; }
+.dspark-stats .k { display: block; font-size: 11px; color: #555; }
+"""
+
+
+# ------------------------------------------------------------------------------------ pairing
+@dataclass
+class RoundView:
+    """What the demo knows about one speculative round (a copy taken when its chunk is streamed).
+
+    ``accepted`` counts accepted drafts (bonus excluded); ``draft_tokens`` are the γ drafted ids when
+    :class:`~dspark_hf.generation.RoundStats` provides them, else ``None``.
+    """
+
+    index: int
+    drafted: int
+    scheduled: int
+    accepted: int
+    confidences: list[float]
+    draft_tokens: list[int] | None
+    stats: object = None  # the live RoundStats (its draft_ms / verify_ms are final after the round)
+
+
+def split_chunk(chunk: list[int], round_stats) -> tuple[int, list[int] | None]:
+    """Number of accepted drafts at the start of ``chunk`` and the round's drafted ids (or ``None``).
+
+    ``round_stats`` is the round's ``RoundStats`` or ``None`` (a step without drafts). With
+    ``draft_tokens`` (all γ drafted ids) the accepted prefix is the common prefix of ``chunk`` and ``d[:ℓ]`` (a target
+    token never equals the draft it replaces, in greedy or speculative sampling); without it, every
+    token but the last is an accepted draft, as transformers counts them.
+    """
+    if round_stats is None:
+        return 0, None
+    drafts = getattr(round_stats, "draft_tokens", None)
+    if not drafts or len(drafts) < round_stats.drafted:  # ids not recorded
+        return max(len(chunk) - 1, 0), None
+    drafts = [int(t) for t in drafts]
+    n = 0
+    while n < min(len(chunk), round_stats.scheduled) and chunk[n] == drafts[n]:
+        n += 1
+    return n, drafts
+
+
+class RoundStreamer(BaseStreamer):
+    """Streamer that pairs each accepted chunk with its round and hands ``(chunk, RoundView | None)``
+    to ``on_chunk`` (called in the generation thread, inside ``streamer.put``).
+
+    Args:
+        drafter: the :class:`~dspark_hf.DSparkDrafter` (its ``last_stats`` is read at every ``put``), or
+            ``None`` for plain ``generate``.
+        on_chunk: ``callable(chunk: list[int], round: RoundView | None)``.
+        on_end: called by ``end()``.
+    """
+
+    def __init__(self, drafter, on_chunk, on_end=None):
+        self.drafter, self.on_chunk, self.on_end = drafter, on_chunk, on_end
+        self._prompt_seen = False
+        self._stats, self._seen = None, 0
+        if drafter is not None:
+            drafter.last_stats = None  # the candidate generator installs a fresh GenerationStats
+
+    def put(self, value):
+        if not self._prompt_seen:  # the first put is the prompt
+            self._prompt_seen = True
+            return
+        chunk = [int(t) for t in value.reshape(-1).tolist()]
+        stats = getattr(self.drafter, "last_stats", None) if self.drafter is not None else None
+        if stats is not self._stats:
+            self._stats, self._seen = stats, 0
+        rounds = stats.rounds if stats is not None else []
+        view = None
+        if len(rounds) > self._seen:  # a round was drafted since the last put: this chunk is its outcome
+            r = rounds[-1]
+            n, drafts = split_chunk(chunk, r)
+            view = RoundView(index=len(rounds), drafted=r.drafted, scheduled=r.scheduled, accepted=n,
+                             confidences=list(r.confidences), draft_tokens=drafts, stats=r)
+        self._seen = len(rounds)
+        self.on_chunk(chunk, view)
+
+    def end(self):
+        if self.on_end is not None:
+            self.on_end()
+
+
+class StopOnEvent(StoppingCriteria):
+    """Stops ``generate`` once ``event`` is set (the Stop button)."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+# --------------------------------------------------------------------------------- transcript
+@dataclass
+class TokenSpan:
+    """One piece of the rendered answer: a generated token, or a ghost (rejected / unverified draft)."""
+
+    text: str
+    kind: str
+    token_id: int | None = None
+    round: int | None = None
+    position: int | None = None  # 1-based draft position within the round
+    confidence: float | None = None
+    special: bool = False
+    count: int = 1  # ghosts without token ids: how many drafts the badge stands for
+
+
+@dataclass
+class Transcript:
+    """The tokens of one generation, coloured by origin, with per-round records and timing."""
+
+    tokenizer: object
+    spans: list[TokenSpan] = field(default_factory=list)
+    rounds: list[RoundView] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    start: float = field(default_factory=time.perf_counter)
+    seconds: float | None = None  # set when the generation ends
+    error: str | None = None
+    _text: str = ""
+
+    def _piece(self, token_id: int) -> str:
+        """Incremental decoding: the text this token adds (empty while a UTF-8 character is incomplete)."""
+        self.ids.append(token_id)
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=False)
+        if full.endswith("\ufffd"):
+            return ""
+        piece = full[len(self._text):]  # decoding is prefix-stable except around incomplete characters
+        self._text = full
+        return piece
+
+    def add_chunk(self, chunk: list[int], view: RoundView | None, plain: bool = False):
+        """Append one streamed chunk; ``view`` is its round (``None``: a step without drafts)."""
+        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+        n = view.accepted if view is not None else 0
+        for i, t in enumerate(chunk):
+            if plain:
+                kind, pos, conf = PLAIN, None, None
+            elif view is None:
+                kind, pos, conf = TARGET, None, None
+            elif i < n:
+                kind, pos = DRAFT, i + 1
+                conf = view.confidences[i] if i < len(view.confidences) else None
+            else:
+                kind, pos, conf = (BONUS if n == view.scheduled else CORRECTION), None, None
+            self.spans.append(TokenSpan(self._piece(t), kind, t, view.index if view else None, pos, conf, t in special))
+        if view is not None:
+            self.rounds.append(view)
+            self._add_ghosts(view, has_target=len(chunk) > n)
+
+    def _add_ghosts(self, view: RoundView, has_target: bool):
+        n, ell = view.accepted, view.scheduled
+        rejected = range(n, ell) if has_target else range(0)  # EOS inside the block: nothing was rejected
+        pruned = range(ell, view.drafted)
+        for kind, positions in ((REJECTED, rejected), (PRUNED, pruned)):
+            if not positions:
+                continue
+            if view.draft_tokens is None:
+                self.spans.append(TokenSpan("", kind, round=view.index, position=positions[0] + 1, count=len(positions)))
+                continue
+            for k in positions:
+                t = view.draft_tokens[k]
+                conf = view.confidences[k] if k < len(view.confidences) else None
+                text = self.tokenizer.decode([t], skip_special_tokens=False)
+                self.spans.append(TokenSpan(text, kind, t, view.index, k + 1, conf))
+
+    # ---------------------------------------------------------------------------- read-outs
+    @property
+    def text(self) -> str:
+        return self._text
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.ids)
+
+    def elapsed(self) -> float:
+        return self.seconds if self.seconds is not None else time.perf_counter() - self.start
+
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / max(self.elapsed(), 1e-9)
+
+    def tau(self) -> float | None:
+        """Mean tokens per round τ (accepted drafts + the target token), as ``GenerationStats.tau``."""
+        if not self.rounds:
+            return None
+        return sum(r.accepted + 1 for r in self.rounds) / len(self.rounds)
+
+    def render(self, show_drafts: bool = True, placeholder: str = "") -> str:
+        """HTML of the coloured answer: a ``.dspark-tokens`` div of ``.tok.tok-<kind>`` spans.
+
+        Ghost drafts are always in the HTML; ``show_drafts=False`` adds the ``hide-ghosts`` class that hides
+        them (see :func:`show_ghosts`).
+        """
+        parts = []
+        for s in self.spans:
+            if s.kind in (REJECTED, PRUNED):
+                label = "rejected" if s.kind == REJECTED else "not verified"
+                if s.token_id is None:
+                    mark = "✗" if s.kind == REJECTED else "⋯"
+                    title = f"round {s.round}: {s.count} {label} draft(s) from position {s.position}"
+                    parts.append(f'<span class="ghost tok tok-{s.kind}" title="{title}">{mark}{s.count}</span>')
+                else:
+                    title = _title(s, label)
+                    parts.append(f'<span class="ghost tok tok-{s.kind}" title="{title}">{_esc(s.text)}</span>')
+                continue
+            cls = f"tok tok-{s.kind}" + (" special" if s.special else "")
+            parts.append(f'<span class="{cls}" title="{_title(s, s.kind)}">{_esc(s.text)}</span>')
+        body = "".join(parts) or f'<span class="placeholder">{html.escape(placeholder)}</span>'
+        return show_ghosts(f'<div class="dspark-tokens">{body}</div>', show_drafts)
+
+
+def show_ghosts(rendered: str, show: bool) -> str:
+    """Toggle the ghost drafts of HTML made by :meth:`Transcript.render`."""
+    hidden, shown = '<div class="dspark-tokens hide-ghosts">', '<div class="dspark-tokens">'
+    return rendered.replace(hidden, shown, 1) if show else rendered.replace(shown, hidden, 1)
+
+
+def _esc(text: str) -> str:
+    return html.escape(text).replace("\n", "↵\n")  # make newline tokens visible
+
+
+def _title(s: TokenSpan, label: str) -> str:
+    bits = [label]
+    if s.round is not None:
+        bits.append(f"round {s.round}")
+    if s.position is not None:
+        bits.append(f"draft position {s.position}")
+    if s.confidence is not None:
+        bits.append(f"c={s.confidence:.2f}")
+    if s.token_id is not None:
+        bits.append(f"id {s.token_id}")
+    return html.escape(" · ".join(bits), quote=True)
+
+
+# ------------------------------------------------------------------------- confidence vs acceptance
+def confidence_curve(rounds: list[RoundView], calibration=None) -> list[dict]:
+    """Per draft position k: mean confidence c_k and the empirical acceptance rate, over reached rounds.
+
+    c_k is a conditional survival probability (paper eq. 7): P(d_k accepted | d_1..d_{k-1} accepted).
+    Its empirical counterpart at position k uses the rounds where k was verified (k <= ℓ) and every
+    earlier draft was accepted (n >= k-1); d_k is accepted iff n >= k. ``calibration`` (an STS) maps
+    raw confidences to calibrated ones first. Returns rows ``{position, value, series, rounds}``.
+    """
+    sums: dict[int, list[float]] = {}
+    gamma = max((len(r.confidences) for r in rounds), default=0)
+    if calibration is not None and gamma > len(calibration.temperatures or []):
+        calibration = None  # γ beyond the fitted positions: plot the raw confidences
+    for r in rounds:
+        conf = r.confidences
+        if conf and calibration is not None:
+            conf = calibration.apply(torch.tensor(conf, dtype=torch.float32)).tolist()
+        for k in range(min(r.scheduled, r.accepted + 1)):  # 0-based positions reached and verified
+            acc = sums.setdefault(k + 1, [0.0, 0.0, 0])
+            acc[0] += float(r.accepted > k)
+            acc[1] += conf[k] if k < len(conf) else float("nan")
+            acc[2] += 1
+    rows = []
+    label = "confidence c_k (calibrated)" if calibration is not None else "confidence c_k"
+    for k in sorted(sums):
+        accepted, conf, count = sums[k]
+        rows.append(dict(position=k, value=accepted / count, series="acceptance rate", rounds=count))
+        if conf == conf:  # not NaN: the drafter has a confidence head
+            rows.append(dict(position=k, value=conf / count, series=label, rounds=count))
+    return rows
+
+
+def _stat(key: str, value, label: str) -> str:
+    shown = "–" if value is None else (f"{value:.2f}" if isinstance(value, float) else str(value))
+    return f'<div class="stat" data-stat="{key}"><span class="v">{shown}</span><span class="k">{label}</span></div>'
+
+
+def stats_html(run: Transcript | None, baseline: Transcript | None = None, greedy: bool = False) -> str:
+    """The live statistics cards: τ, tokens/s, rounds, new tokens, ℓ/γ, timings, baseline and speedup."""
+    if run is None:
+        return '<div class="dspark-stats"></div>'
+    rounds = run.rounds
+    cards = [
+        _stat("tau", run.tau(), "τ (tokens / round)"),
+        _stat("tokens_per_s", run.tokens_per_s(), "tokens / s (DSpark)"),
+        _stat("rounds", len(rounds), "rounds"),
+        _stat("new_tokens", run.new_tokens, "new tokens"),
+    ]
+    if rounds:
+        verified = sum(r.scheduled for r in rounds) / max(sum(r.drafted for r in rounds), 1)
+        accepted = sum(r.accepted for r in rounds) / max(sum(r.scheduled for r in rounds), 1)
+        cards += [_stat("verified", verified, "verified ℓ/γ"), _stat("acceptance", accepted, "accepted / verified")]
+        if run.seconds is not None:  # timings are final once the generation has ended
+            draft = sum(getattr(r.stats, "draft_ms", 0.0) for r in rounds)
+            verify = sum(getattr(r.stats, "verify_ms", 0.0) for r in rounds)
+            cards += [_stat("draft_ms", draft, "draft ms"), _stat("verify_ms", verify, "verify ms")]
+    if baseline is not None:
+        cards.append(_stat("baseline_tokens_per_s", baseline.tokens_per_s(), "tokens / s (plain)"))
+        if baseline.seconds is not None and run.seconds is not None:
+            cards.append(_stat("speedup", run.tokens_per_s() / max(baseline.tokens_per_s(), 1e-9), "speedup ×"))
+            if greedy:
+                same = "yes" if run.ids == baseline.ids else "no"
+                cards.append(_stat("identical", same, "same tokens as plain"))
+    return '<div class="dspark-stats">' + "".join(cards) + "</div>"
+
+
+def legend_html() -> str:
+    items = "".join(
+        f'<span title="{html.escape(tip, quote=True)}"><span class="tok tok-{kind}">{name}</span></span>'
+        for kind, name, tip in LEGEND
+    )
+    rows = "".join(f"<li><b>{name}</b>: {html.escape(tip)}</li>" for _, name, tip in LEGEND)
+    return (f"<style>{CSS}</style><div class=\"dspark-legend\">{items}</div>"
+            f'<details style="font-size:12px;color:#444"><summary>what the colours mean</summary><ul>{rows}</ul>'
+            "<p>Hover a token for its round, draft position and confidence. Ghost drafts are drawn small and"
+            " raised, right after the target token of their round.</p></details>")
+
+
+# ------------------------------------------------------------------------------------ running
+def available_modes(drafter) -> list[str]:
+    """Verification modes this drafter supports (``scheduler`` needs calibration, both non-fixed modes
+    need a confidence head)."""
+    modes = ["fixed"]
+    if drafter.confidence is not None:
+        modes.append("threshold")
+        if drafter.calibration is not None:
+            modes.insert(0, "scheduler")
+    return [m for m in VERIFICATION_MODES if m in modes]
+
+
+def default_mode(drafter) -> str:
+    """The drafter's configured mode if it can run, else ``fixed``."""
+    modes = available_modes(drafter)
+    return drafter.config.verification if drafter.config.verification in modes else "fixed"
+
+
+def check_mode(drafter, mode: str) -> str | None:
+    """A message saying why ``mode`` cannot run with ``drafter``, or ``None``."""
+    if mode not in VERIFICATION_MODES:
+        return f"Unknown verification mode {mode!r}."
+    if mode != "fixed" and drafter.confidence is None:
+        return f"This drafter has no confidence head, so {mode!r} verification is unavailable: use 'fixed'."
+    if mode == "scheduler" and drafter.calibration is None:
+        return ("This drafter has no calibration.json, so the scheduler is unavailable: use 'fixed' or "
+                "'threshold', or fit one with `dspark calibrate`.")
+    return None
+
+
+def stream_generation(target, tokenizer, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+                      drafter=None, stop: threading.Event | None = None, interval: float = 0.1, seed: int = 0,
+                      **settings):
+    """Run ``generate`` in a thread and yield the growing :class:`Transcript` (at most every ``interval`` s).
+
+    With ``drafter`` the run is DSpark (``settings``: ``dspark_block_size``, ``dspark_verification``,
+    ``dspark_threshold``); without, plain ``generate`` (tokens kind ``plain``). The last transcript
+    yielded has ``seconds`` set (and ``error`` if ``generate`` raised). Setting ``stop`` ends the run early.
+    """
+    from .evaluation import timed_generate
+
+    events: queue.Queue = queue.Queue()
+    transcript = Transcript(tokenizer)
+    stop = stop or threading.Event()
+    streamer = RoundStreamer(drafter, lambda chunk, view: events.put((chunk, view)))
+
+    def work():
+        try:
+            kwargs = dict(settings, stopping_criteria=StoppingCriteriaList([StopOnEvent(stop)]))
+            transcript.start = time.perf_counter()
+            run = timed_generate(target, prompt_ids, max_new_tokens, temperature, drafter, streamer, seed=seed, **kwargs)
+            events.put(("done", run.seconds))
+        except Exception as err:  # shown in the app instead of killing the server thread
+            events.put(("error", f"{type(err).__name__}: {err}"))
+
+    thread = threading.Thread(target=work, name="dspark-demo-generate", daemon=True)
+    thread.start()
+    finished = False
+    try:
+        last = 0.0
+        while True:
+            item = events.get()
+            if item[0] in ("done", "error"):
+                finished = True
+                if item[0] == "done":
+                    transcript.seconds = item[1]
+                else:
+                    transcript.seconds, transcript.error = transcript.elapsed(), item[1]
+                yield transcript
+                return
+            transcript.add_chunk(item[0], item[1], plain=drafter is None)
+            if time.perf_counter() - last >= interval and events.empty():
+                last = time.perf_counter()
+                yield transcript
+    finally:
+        if not finished:  # the generator was closed early (client gone): end the generation too
+            stop.set()
+        thread.join()
+
+
+# ---------------------------------------------------------------------------------------- app
+def _name(model) -> str:
+    return getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "") or type(model).__name__
+
+
+def build_app(target, tokenizer, drafter, *, title: str = "DSpark speculative decoding", max_new_tokens: int = 128,
+              interval: float = 0.1):
+    """The Gradio Blocks app (not launched).
+
+    Args:
+        target: a HF causal LM (the verifier), in eval mode.
+        tokenizer: its tokenizer; prompts go through its chat template (:func:`dspark_hf.data.chat_ids`).
+        drafter: a :class:`~dspark_hf.DSparkDrafter` for ``target`` (bound here).
+        title: page heading.
+        max_new_tokens: initial value of the max-new-tokens slider.
+        interval: minimum seconds between two streamed updates of the page.
+
+    Returns:
+        ``gradio.Blocks``. Element ids for scripting: ``dspark-prompt``, ``dspark-run``, ``dspark-stop``,
+        ``dspark-output``, ``dspark-baseline``, ``dspark-stats``, ``dspark-plot``, ``dspark-status``.
+    """
+    import gradio as gr
+
+    drafter = drafter.bind(target).eval()
+    modes, mode0 = available_modes(drafter), default_mode(drafter)
+    stop = threading.Event()  # one model, one generation at a time (concurrency_limit=1)
+    note = ""
+    if drafter.calibration is None:
+        note = ("This drafter has no calibration.json, so the confidence scheduler is unavailable; "
+                f"verification defaults to **{mode0}**.")
+    info = (f"Target **{html.escape(_name(target))}** · drafter **{html.escape(str(drafter.name_or_path or 'in-memory'))}**"
+            f" (γ={drafter.config.block_size}, {drafter.config.sequential_head} head,"
+            f" calibration: {'yes' if drafter.calibration is not None else 'no'})")
+
+    def run(prompt, max_new, temperature, gamma, mode, threshold, side_by_side, show_drafts):
+        """Stream (output, output with ghosts, baseline, stats, plot, status) while generating."""
+        greedy = float(temperature) <= 0
+        idle = '<div class="dspark-tokens"><i>side-by-side is off</i></div>'
+
+        def frame(result, base, plot, status):
+            shown, full = (result.render(show_drafts), result.render(True)) if result else ("", "")
+            base_html = base.render() if base is not None else ("" if side_by_side else idle)
+            return shown, full, base_html, stats_html(result, base, greedy), plot, status
+
+        problem = check_mode(drafter, mode) or (None if prompt and prompt.strip() else "Type a prompt first.")
+        if problem:
+            yield frame(None, None, _plot_frame([]), f"⚠️ {problem}")
+            return
+        stop.clear()
+        ids = chat_ids(tokenizer, prompt)
+        settings = dict(dspark_block_size=int(gamma), dspark_verification=mode, dspark_threshold=float(threshold))
+        status = f"Generating with DSpark ({mode}, γ={int(gamma)})…"
+        yield frame(Transcript(tokenizer), None, _plot_frame([]), status)
+        last_plot, result = 0.0, None
+        for result in stream_generation(target, tokenizer, ids, int(max_new), float(temperature), drafter, stop,
+                                        interval, **settings):
+            plot = gr.skip()
+            if time.perf_counter() - last_plot > 1.0 or result.seconds is not None:  # plots are slow to redraw
+                plot, last_plot = _plot_frame(confidence_curve(result.rounds, drafter.calibration)), time.perf_counter()
+            yield frame(result, None, plot, status)
+        if result.error:
+            yield frame(result, None, gr.skip(), f"❌ {result.error}")
+            return
+        done = f"DSpark: {result.new_tokens} tokens in {result.seconds:.2f} s."
+        if not side_by_side or stop.is_set():
+            yield frame(result, None, gr.skip(), done)
+            return
+        status, base = done + " Running plain `generate` for comparison…", None
+        for base in stream_generation(target, tokenizer, ids, int(max_new), float(temperature), None, stop, interval):
+            yield frame(result, base, gr.skip(), status)
+        final = done + f" Plain `generate`: {base.new_tokens} tokens in {base.seconds:.2f} s."
+        yield frame(result, base, gr.skip(), final + (f" ❌ {base.error}" if base.error else ""))
+
+    def rerender(rendered, show_drafts):
+        return show_ghosts(rendered, show_drafts) if rendered else gr.skip()
+
+    def halt():
+        stop.set()
+
+    with gr.Blocks(title=title, analytics_enabled=False) as app:
+        gr.Markdown(f"## {html.escape(title)}\n{info}")
+        with gr.Row():
+            with gr.Column(scale=1, min_width=300):
+                prompt = gr.Textbox(label="Prompt (sent as one user turn under the chat template)", lines=4,
+                                    elem_id="dspark-prompt", value="Explain speculative decoding in two sentences.")
+                with gr.Row():
+                    go = gr.Button("Generate", variant="primary", elem_id="dspark-run")
+                    halt_btn = gr.Button("Stop", elem_id="dspark-stop")
+                max_new = gr.Slider(1, 1024, value=max_new_tokens, step=1, label="max new tokens")
+                temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)")
+                gamma = gr.Slider(1, MAX_BLOCK_SIZE, value=drafter.config.block_size, step=1,
+                                  label="γ (dspark_block_size): drafts per round")
+                mode = gr.Radio(list(VERIFICATION_MODES), value=mode0, label="verification (dspark_verification)",
+                                info="available with this drafter: " + ", ".join(modes), elem_id="dspark-mode")
+                threshold = gr.Slider(0.0, 1.0, value=drafter.config.confidence_threshold, step=0.01,
+                                      label="threshold (threshold mode: verify while c_k ≥ threshold)")
+                side = gr.Checkbox(value=False, label="side by side: also run plain generate (speedup)",
+                                   elem_id="dspark-side")
+                ghosts = gr.Checkbox(value=True, label="show rejected and unverified drafts", elem_id="dspark-ghosts")
+                gr.Examples([["Write a haiku about the sea."], ["What is 17 * 23? Think step by step."],
+                             ["Write a Python function that reverses a string."]], inputs=[prompt])
+            with gr.Column(scale=2):
+                gr.HTML(legend_html(), elem_id="dspark-legend")
+                status = gr.Markdown(note, elem_id="dspark-status")
+                stats = gr.HTML(stats_html(None), elem_id="dspark-stats")
+                with gr.Row():
+                    with gr.Column():
+                        gr.Markdown("**DSpark**")
+                        output = gr.HTML(Transcript(tokenizer).render(placeholder="the answer appears here"),
+                                         elem_id="dspark-output")
+                    with gr.Column():
+                        gr.Markdown("**plain `generate`** (side by side)")
+                        baseline = gr.HTML("", elem_id="dspark-baseline")
+                plot = gr.LinePlot(_plot_frame([]), x="position", y="value", color="series", y_lim=[0, 1],
+                                   x_title="draft position k", y_title="probability",
+                                   title="confidence vs acceptance per draft position", elem_id="dspark-plot",
+                                   height=260)
+        state = gr.State(None)
+        outputs = [output, state, baseline, stats, plot, status]
+        inputs = [prompt, max_new, temperature, gamma, mode, threshold, side, ghosts]
+        go.click(run, inputs, outputs, concurrency_limit=1, concurrency_id="generate")
+        prompt.submit(run, inputs, outputs, concurrency_limit=1, concurrency_id="generate")
+        halt_btn.click(halt, None, None, queue=False)
+        ghosts.change(rerender, [state, ghosts], [output], queue=False)
+    return app
+
+
+def _plot_frame(rows: list[dict]):
+    import pandas as pd
+
+    frame = pd.DataFrame(rows, columns=["position", "value", "series", "rounds"])
+    # explicit dtypes: an empty frame would be typed "nominal" and the browser keeps the first axis types
+    return frame.astype({"position": "int64", "value": "float64", "series": "str", "rounds": "int64"})
+
+
+def launch(target=None, tokenizer=None, drafter=None, *, port: int | None = None, share: bool = False,
+           server_name: str | None = None, prevent_thread_lock: bool = False, **app_kwargs):
+    """Build and serve the demo; returns the launched ``gradio.Blocks`` (``.close()`` stops it).
+
+    Args:
+        target: a model, a Hub id / folder, or ``None`` for the bundled default target
+            (:func:`~dspark_hf.target.load_target`); ``tokenizer`` is required with a model.
+        drafter: a :class:`~dspark_hf.DSparkDrafter`, a folder / Hub id, or ``None`` for the shipped
+            ``model_cards/dspark-smollm2-135m-instruct``.
+        port: server port (default ``$GRADIO_SERVER_PORT``, else 7860).
+        share: ask Gradio for a public share link (needs network).
+        server_name: interface to bind (default ``$GRADIO_SERVER_NAME``, else 127.0.0.1).
+        prevent_thread_lock: return at once, serving from a background thread (tests).
+        app_kwargs: passed to :func:`build_app`.
+    """
+    from .model import DSparkDrafter
+    from .target import load_target
+
+    if target is None or isinstance(target, (str, os.PathLike)):
+        target, tokenizer = load_target(target)
+    elif tokenizer is None:
+        raise ValueError("launch(target=<model>) needs its tokenizer too.")
+    if drafter is None or isinstance(drafter, (str, os.PathLike)):
+        from .cli import DEFAULT_DRAFTER
+
+        path = drafter or DEFAULT_DRAFTER
+        drafter = DSparkDrafter.from_pretrained(path)
+    if port is None and os.environ.get("GRADIO_SERVER_PORT"):
+        port = int(os.environ["GRADIO_SERVER_PORT"])
+    app = build_app(target, tokenizer, drafter, **app_kwargs)
+    app.queue(default_concurrency_limit=1)
+    app.launch(server_name=server_name, server_port=port, share=share, prevent_thread_lock=prevent_thread_lock,
+               show_error=True, footer_links=[])
+    return app
+
+
+# ---------------------------------------------------------------------------------------- cli
+def _flag(text: str) -> bool:
+    value = str(text).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
+def cmd_demo(args):
+    """``dspark demo``: load the target and drafter, then serve the app."""
+    try:
+        import gradio  # noqa: F401
+    except ModuleNotFoundError:
+        sys.exit("The demo needs Gradio: pip install 'dspark-hf[demo]'")
+    from .cli import _load
+
+    target, tokenizer, drafter = _load(args)
+    launch(target, tokenizer, drafter, port=args.port, share=args.share, server_name=args.host)
 
 
 def add_cli(sub, command):
     """Register this module's `dspark` subcommands (see cli.main)."""
+    p = command("demo", cmd_demo, "serve the Gradio demo: live token colouring, stats, side-by-side", drafter=True)
+    p.add_argument("--port", type=int, default=None, help="port (default: $GRADIO_SERVER_PORT, else 7860)")
+    p.add_argument("--share", type=_flag, nargs="?", const=True, default=False, metavar="{true,false}",
+                   help="create a public Gradio share link (needs network; default false)")
+    p.add_argument("--host", default=None, help="interface to bind (default: $GRADIO_SERVER_NAME, else 127.0.0.1)")

@@ -211,6 +211,7 @@ class DSparkDrafter(PreTrainedModel):
             init.zeros_(module.w2.weight)
         elif isinstance(module, DSparkDrafter):
             init.normal_(module.mask_embedding, std=self.config.initializer_range)
+            init.copy_(module.draft_vocab, torch.arange(module.draft_vocab.numel(), device=module.draft_vocab.device))  # non-persistent when V' = V: from_pretrained leaves it uninitialised
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):

@@ -42,7 +42,6 @@ class TrainConfig:
     block_size: int = 7
     num_context_layers: int = 4
     draft_vocab_size: int | None = 8192
-    init_from_target: bool = True
     # data
     target_tokens: int = 300_000
     gen_batch_size: int = 48
@@ -225,17 +224,7 @@ def build_drafter(target, cfg: TrainConfig, train_rows) -> DSparkDrafter:
     drafter = DSparkDrafter(config)
     if draft_vocab_size:
         drafter.set_draft_vocab(choose_draft_vocab(train_rows, draft_vocab_size, vocab))
-    if cfg.init_from_target:
-        init_layers_from_target(drafter, target)
     return drafter.bind(target)
-
-
-def init_layers_from_target(drafter: DSparkDrafter, target):
-    """Start drafter layer ``i`` from the target's ``L - n + i``-th layer and its final norm."""
-    source = target.model.layers[-len(drafter.layers) :]
-    for mine, theirs in zip(drafter.layers, source):
-        mine.load_state_dict(theirs.state_dict(), strict=False)
-    drafter.norm.load_state_dict(target.model.norm.state_dict())
 
 
 def _lr_lambda(cfg: TrainConfig):
@@ -308,6 +297,8 @@ def train(target, cfg: TrainConfig, progress: bool = True) -> Path:
     val_batches = [val_batcher.pack(val_batcher.rows[i : i + 8], cfg.anchors_per_sequence) for i in range(0, len(val_batcher.rows), 8)]
     weights = position_weights(cfg.block_size, cfg.decay)
     log = (out / "log.jsonl").open("a")
+    if step == 0:
+        log.write(json.dumps({"step": 0, "validation": evaluate(drafter, val_batches, weights, cfg.loss_weights)}) + "\n")
     bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=not progress)
     start = time.perf_counter() - elapsed
     while step < cfg.steps and (time.perf_counter() - start) < 60 * cfg.max_minutes:
@@ -320,7 +311,7 @@ def train(target, cfg: TrainConfig, progress: bool = True) -> Path:
         step += 1
         bar.update(1)
         bar.set_postfix({k: f"{float(v):.3f}" for k, v in parts.items() if k != "accept"} | {"tau": f"{expected_tau(parts['accept']):.2f}"})
-        record = {"step": step, "time_s": time.perf_counter() - start, "loss": float(loss), "lr": scheduler.get_last_lr()[0]}
+        record = {"step": step, "time_s": time.perf_counter() - start, "loss": float(loss.detach()), "lr": scheduler.get_last_lr()[0]}
         record |= {k: float(v) for k, v in parts.items() if k != "accept"} | {"tau_est": expected_tau(parts["accept"])}
         if step % cfg.eval_every == 0 or step == cfg.steps:
             record["validation"] = evaluate(drafter, val_batches, weights, cfg.loss_weights)

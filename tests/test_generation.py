@@ -58,16 +58,16 @@ CYCLE[_ORDER] = _ORDER.roll(-1)  # f: one cycle through the whole vocabulary (no
 CYCLE_INV = torch.argsort(CYCLE)
 
 
-def cycle_target(alpha=0.02, scale=3.0) -> LlamaForCausalLM:
+def cycle_target(alpha=0.026, scale=3.0) -> LlamaForCausalLM:
     """Llama whose greedy next token is usually ``CYCLE[last token]``.
 
     Orthonormal embeddings, ``lm_head[y] = scale * E[f^{-1}(y)]`` and layers whose residual writes are
     scaled by ``alpha``: the layers (attention over the whole context) move the argmax off the cycle
-    about 20 % of the time; logit gaps stay large, so near-ties are rare.
+    about 17 % of the time; logit gaps stay large, so near-ties are rare. One layer keeps it fast.
     """
     torch.manual_seed(1)
     config = LlamaConfig(
-        vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, eos_token_id=None, pad_token_id=0, bos_token_id=None,
         initializer_range=0.3, tie_word_embeddings=False,
     )
@@ -90,7 +90,7 @@ def cycle_drafter(target, head, beta=100.0, block_size=4, **kwargs) -> DSparkDra
     identity (zeroed residual writes) so position 1 predicts f(anchor) through the target's lm_head.
     Confidences depend on the previous token with a spread of logits, so ℓ varies in threshold/scheduler.
     """
-    config = DSparkConfig.for_target(target, num_context_layers=1, num_hidden_layers=1, sequential_head=head,
+    config = DSparkConfig.for_target(target, target_layer_ids=[0], num_hidden_layers=1, sequential_head=head,
                                      sequential_rank=V, block_size=block_size, **kwargs)
     torch.manual_seed(3)
     drafter = DSparkDrafter(config).eval()
@@ -223,23 +223,42 @@ def test_scheduled_lengths_vary(target, drafters, prompts, seen_lengths):
     assert 0 in seen_lengths["scheduler"]
 
 
-@pytest.mark.parametrize("max_new", [1, 2, 3])
+@pytest.fixture(scope="module")
+def short_references(target, prompts):
+    return {k: [target.generate(p, max_new_tokens=k, do_sample=False) for p in prompts[:5]] for k in (1, 2, 3)}
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_greedy_short_budgets(target, drafters, prompts, mode, max_new):
-    for head in ("markov", "none"):
-        for i, prompt in enumerate(prompts[:8]):
-            ref = target.generate(prompt, max_new_tokens=max_new, do_sample=False)
-            out = generate(target, prompt, drafters[head], mode, 7, max_new=max_new)
-            assert out.shape[1] == prompt.shape[1] + max_new
-            assert_greedy_identical(target, out, ref, f"{head}/{mode}/max_new={max_new}/prompt {i}")
-            check_stats(drafters[head], out, prompt.shape[1], max_new, 7, mode)
-            if max_new == 1:
-                assert drafters[head].last_stats.rounds == []
+def test_greedy_short_budgets(target, drafters, prompts, short_references, mode):
+    """max_new_tokens in {1, 2, 3}: too short for full blocks (γ is capped by the remaining budget)."""
+    for max_new in (1, 2, 3):
+        for head in ("markov", "none"):
+            for i, (prompt, ref) in enumerate(zip(prompts[:5], short_references[max_new])):
+                n = prompt.shape[1]
+                out = generate(target, prompt, drafters[head], mode, 7, max_new=max_new)
+                assert out.shape[1] == n + max_new
+                assert_greedy_identical(target, out, ref, f"{head}/{mode}/max_new={max_new}/prompt {i}")
+                check_stats(drafters[head], out, n, max_new, 7, mode)
+                if max_new == 1:
+                    assert drafters[head].last_stats.rounds == []
+
+
+@pytest.fixture(scope="module")
+def eos_cases(target, prompts, references):
+    """(prompt, eos id, plain generate with that eos, plain generate without eos) for 10 prompts."""
+    cases = []
+    for prompt, full in zip(prompts[:10], references[:10]):
+        n = prompt.shape[1]
+        eos = int(full[0, n + 4])  # the 5th greedy token becomes EOS (or an earlier occurrence of it)
+        ref = target.generate(prompt, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos)
+        assert int(ref[0, -1]) == eos and ref.shape[1] <= n + 5
+        cases.append((prompt, eos, ref, full))
+    return cases
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("head", HEADS)
-def test_greedy_eos_inside_a_block(target, drafters, prompts, references, monkeypatch, head, mode):
+def test_greedy_eos_inside_a_block(target, drafters, eos_cases, monkeypatch, head, mode):
     """EOS emitted by the target in the middle of an accepted block: output stops right after it."""
     drafter = drafters[head]
     blocks = []
@@ -251,11 +270,8 @@ def test_greedy_eos_inside_a_block(target, drafters, prompts, references, monkey
 
     monkeypatch.setattr(drafter, "draft", recording_draft)
     trimmed = 0
-    for i, (prompt, full) in enumerate(zip(prompts, references)):
+    for i, (prompt, eos, ref, full) in enumerate(eos_cases):
         n = prompt.shape[1]
-        eos = int(full[0, n + 4])  # the 5th greedy token becomes EOS (or an earlier occurrence of it)
-        ref = target.generate(prompt, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos)
-        assert int(ref[0, -1]) == eos and ref.shape[1] <= n + 5
         blocks.clear()
         out = generate(target, prompt, drafter, mode, 7, eos_token_id=eos)
         assert_greedy_identical(target, out, ref, f"{head}/{mode}/eos prompt {i}")
@@ -268,7 +284,7 @@ def test_greedy_eos_inside_a_block(target, drafters, prompts, references, monkey
             continuation = full[0, start:start + drafts.numel()]
             matched = int((drafts[: continuation.numel()] == continuation).int().cumprod(0).sum())
             trimmed += matched > out.shape[1] - start
-    if head != "none":  # the parallel-only drafter rarely gets two drafts right
+    if head != "none":  # the parallel-only drafter rarely gets two drafts in a row right
         assert trimmed >= 1, "no round had accepted drafts after the EOS: the EOS-trimming path was not exercised"
 
 
@@ -293,7 +309,7 @@ def test_block_size_defaults_to_config_per_call(target, drafters, prompts):
 
 def test_untrained_drafter_is_still_lossless(target, prompts, references):
     """A randomly initialised drafter (drafts nearly always rejected) keeps greedy identity."""
-    config = DSparkConfig.for_target(target, num_context_layers=1, num_hidden_layers=1, sequential_rank=8)
+    config = DSparkConfig.for_target(target, target_layer_ids=[0], num_hidden_layers=1, sequential_rank=8)
     torch.manual_seed(9)
     drafter = DSparkDrafter(config)
     drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * 16)
@@ -349,7 +365,7 @@ def test_text_iterator_streamer(target, drafters, prompts):
     assert len(text) == MAX_NEW
 
 
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "library bug: transformers' assisted loop only checks whether the sequence ENDS with a stop string, so a stop "
     "string completed inside an accepted multi-token block is missed and generation runs on; dspark_hf neither "
     "trims nor rejects stop_strings (see report)"))
@@ -373,7 +389,7 @@ def test_stop_strings_match_plain_generate_or_are_rejected(target, drafters, pro
 def test_return_dict_in_generate(target, drafters, prompts, references, mode):
     for prompt, ref in zip(prompts[:5], references[:5]):
         result = generate(target, prompt, drafters["rnn"], mode, 7, return_dict_in_generate=True,
-                          output_scores=True, output_logits=True)
+                          output_scores=True, output_logits=True, attention_mask=torch.ones_like(prompt))
         assert torch.equal(result.sequences, ref)
         new = ref.shape[1] - prompt.shape[1]
         assert len(result.scores) == len(result.logits) == new
@@ -456,6 +472,19 @@ def test_drafter_for_other_vocab_raises_at_generate(target, prompts, forward_cal
                            lambda: generate(target, prompts[1], drafter, "fixed", 4))
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "library bug: the threshold value and the calibration's length are only checked inside the first round, "
+    "after the prefill (see report)"))
+@pytest.mark.parametrize(("mode", "extra"), [("threshold", {"dspark_threshold": 1.5}), ("scheduler", {})])
+def test_bad_threshold_or_short_calibration_raise_before_compute(target, prompts, forward_calls, mode, extra):
+    drafter = cycle_drafter(target, "markov")
+    drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * 7)  # fitted on γ = 7 rounds
+    with pytest.raises(ValueError):
+        target.generate(prompts[1], max_new_tokens=MAX_NEW, do_sample=False, assistant_model=drafter,
+                        dspark_verification=mode, dspark_block_size=16, **extra)
+    assert not forward_calls, "the target ran before the error"
+
+
 def test_output_hidden_states_with_dict_is_rejected(target, drafters, prompts, forward_calls):
     _raises_before_compute(forward_calls, "output_hidden_states", lambda: generate(
         target, prompts[1], drafters["markov"], "fixed", 4, output_hidden_states=True, return_dict_in_generate=True))
@@ -482,48 +511,59 @@ def test_plain_assistant_keeps_stock_behaviour(target, prompts, references, monk
 
 
 # ------------------------------------------------------------------------------ sampling exactness
-SV = 8  # sampling target vocabulary: 64 outcomes for two tokens
-N_SAMPLES = 400
-P_MIN = 1e-3  # exact process: chi-square p-value must exceed this (false alarm rate 1e-3)
-P_BIASED = 1e-6  # the biased drafter must be rejected far more strongly than that
+# Generations of 4 new tokens: t1 comes from the prefill, then ONE round drafts γ = 2 (capped by max_length)
+# for t2 and t3 (t4 is a bonus or a later round). Both drafted positions are checked through two 64-cell
+# tables of exact joint laws, (t1, t2) and (t2, t3), computed by enumeration from the target's logits.
+# Bound: Pearson chi-square (cells expecting < 5 pooled), N = 240, p-value > 1e-3 for each table: an exact
+# sampler fails a variant with probability < 2e-3 (seeds are fixed: the outcome is deterministic anyway).
+# The biased drafter must reach p < 1e-6 on one table (its per-draft bias is TV ≈ 0.35; seen: p ~ 1e-13).
+SV = 8  # sampling target vocabulary
+N_SAMPLES = 240
+P_MIN = 1e-3
+P_BIASED = 1e-6
 
 
 @pytest.fixture(scope="module")
 def sampling_setup():
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=SV, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=SV, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=8, eos_token_id=None,
                          pad_token_id=None, bos_token_id=None, initializer_range=0.3, tie_word_embeddings=False)
     target = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         target.lm_head.weight.mul_(0.5)  # target logits of std ~1: a spread, non-uniform p
     prompt = torch.tensor([[3, 1, 4]])
-    return target, prompt, exact_pair_law(target, prompt)
+    return target, prompt, exact_laws(target, prompt)
 
 
-def exact_pair_law(target, prompt):
-    """Exact P(t2, t3) of the 2nd and 3rd generated tokens (t1 marginalised), from the target's logits."""
+def exact_laws(target, prompt):
+    """Exact joint laws ``P(t1, t2)`` and ``P(t2, t3)`` (``[SV, SV]`` each) of the first generated tokens."""
     with torch.no_grad():
         p1 = target(prompt).logits[0, -1].double().softmax(-1)  # [t1]
         seq1 = torch.cat([prompt.expand(SV, -1), torch.arange(SV)[:, None]], 1)
         p2 = target(seq1).logits[:, -1].double().softmax(-1)  # [t1, t2]
         seq2 = torch.cat([seq1.repeat_interleave(SV, 0), torch.arange(SV).repeat(SV)[:, None]], 1)
         p3 = target(seq2).logits[:, -1].double().softmax(-1).view(SV, SV, SV)  # [t1, t2, t3]
-    return (p1[:, None, None] * p2[:, :, None] * p3).sum(0)  # [t2, t3]
+    joint = p1[:, None, None] * p2[:, :, None] * p3  # [t1, t2, t3]
+    return joint.sum(2), joint.sum(0)
 
 
 def sampling_drafter(target, draft_vocab=None):
-    """A drafter whose q differs strongly from p (random W1/W2 of unit scale) yet is often accepted."""
-    config = DSparkConfig.for_target(target, num_context_layers=1, num_hidden_layers=1, sequential_head="markov",
+    """A markov drafter whose q differs from p (TV ≈ 0.35) yet is accepted in ~60 % of rounds.
+
+    q must not be too peaked: with argmax drafts the output puts mass p(d)/q(d) on d = argmax q, which is
+    only far from p(d) when q(d) is moderate — that is what makes the biased variant detectable.
+    """
+    config = DSparkConfig.for_target(target, target_layer_ids=[0], num_hidden_layers=1, sequential_head="markov",
                                      sequential_rank=8, block_size=4, draft_vocab_size=draft_vocab)
     torch.manual_seed(1)
     drafter = DSparkDrafter(config).eval()
     with torch.no_grad():
-        drafter.sequential.w2.weight.normal_(0.0, 1.0)
+        drafter.sequential.w2.weight.normal_(0.0, 0.3)
         drafter.token_table.weight.normal_(0.0, 1.0)
         drafter.confidence.proj.weight.normal_(0.0, 1.0)
         if draft_vocab is not None:
-            drafter.set_draft_vocab(torch.tensor([6, 0, 3, 5, 1]))
+            drafter.set_draft_vocab(torch.tensor([6, 0, 3, 5, 1, 7])[:draft_vocab])
     drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * 16)
     drafter.set_sps_curve(sps_curve())
     return drafter
@@ -542,40 +582,43 @@ def chi_square(counts, law, n):
     return float(x2), df, float(p)
 
 
-def sample_pairs(target, prompt, drafter, mode, n):
-    """``n`` sampled generations (4 new tokens: prefill t1, then one round drafting γ = 2 for t2, t3)."""
-    counts = torch.zeros(SV, SV)
-    accepting, lengths = 0, set()
+def sample_tables(target, prompt, drafter, mode, n):
+    """Counts of (t1, t2) and (t2, t3) over ``n`` sampled generations, the share of drafting rounds that
+    verified something (ℓ >= 1) and accepted a draft, and the scheduled lengths of the drafting round."""
+    first_pair, second_pair = torch.zeros(SV, SV), torch.zeros(SV, SV)
+    accepting, verifying, lengths = 0, 0, set()
     torch.manual_seed(1234)
     for _ in range(n):
         out = target.generate(prompt, max_new_tokens=4, do_sample=True, temperature=1.0, top_k=None,
                               assistant_model=drafter, dspark_verification=mode, dspark_block_size=4,
                               dspark_threshold=THRESHOLD)
-        counts[out[0, 4], out[0, 5]] += 1
+        t1, t2, t3 = out[0, 3:6].tolist()
+        first_pair[t1, t2] += 1
+        second_pair[t2, t3] += 1
         first = drafter.last_stats.rounds[0]
         assert first.drafted == 2
         accepting += first.accepted >= 1
+        verifying += first.scheduled >= 1
         lengths.add(first.scheduled)
-    return counts, accepting / n, lengths
+    return (first_pair, second_pair), accepting / max(verifying, 1), lengths
 
 
-@pytest.mark.parametrize(("mode", "draft_vocab"), [("fixed", None), ("threshold", None), ("scheduler", None),
-                                                   ("fixed", 5)])
+@pytest.mark.parametrize(("mode", "draft_vocab"), [("fixed", None), ("threshold", 6), ("scheduler", None)])
 def test_sampling_is_exact(sampling_setup, mode, draft_vocab):
-    """Bound: Pearson chi-square over the 64 cells of (t2, t3), N = 400, p-value > 1e-3."""
-    target, prompt, law = sampling_setup
+    target, prompt, laws = sampling_setup
     drafter = sampling_drafter(target, draft_vocab)
-    counts, accept_rate, lengths = sample_pairs(target, prompt, drafter, mode, N_SAMPLES)
-    x2, df, p = chi_square(counts, law, N_SAMPLES)
-    assert p > P_MIN, f"{mode}: chi-square {x2:.1f} on {df} df, p = {p:.2g}"
-    assert accept_rate >= 0.15, f"drafts accepted in only {accept_rate:.0%} of rounds"
+    tables, accept_rate, lengths = sample_tables(target, prompt, drafter, mode, N_SAMPLES)
+    for name, counts, law in zip(("(t1, t2)", "(t2, t3)"), tables, laws):
+        x2, df, p = chi_square(counts, law, N_SAMPLES)
+        assert p > P_MIN, f"{mode}: {name} chi-square {x2:.1f} on {df} df, p = {p:.2g}"
+    assert accept_rate >= 0.3, f"drafts accepted in only {accept_rate:.0%} of rounds"
     if mode != "fixed":
         assert len(lengths) >= 2, lengths
 
 
 def test_argmax_drafts_with_drafter_logits_fail_the_check(sampling_setup, monkeypatch):
     """The classic bug (drafts = argmax, returned logits = drafter's q) is biased and must be caught."""
-    target, prompt, law = sampling_setup
+    target, prompt, laws = sampling_setup
     drafter = sampling_drafter(target)
     original = DSparkDrafter.draft
 
@@ -583,7 +626,7 @@ def test_argmax_drafts_with_drafter_logits_fail_the_check(sampling_setup, monkey
         return original(drafter, context, anchor, block_size, False, *args, **kwargs)
 
     monkeypatch.setattr(drafter, "draft", argmax_draft)
-    counts, accept_rate, _ = sample_pairs(target, prompt, drafter, "fixed", N_SAMPLES)
-    x2, df, p = chi_square(counts, law, N_SAMPLES)
-    assert accept_rate >= 0.1
-    assert p < P_BIASED, f"biased drafter not detected: chi-square {x2:.1f} on {df} df, p = {p:.2g}"
+    tables, accept_rate, _ = sample_tables(target, prompt, drafter, "fixed", N_SAMPLES)
+    results = [chi_square(counts, law, N_SAMPLES) for counts, law in zip(tables, laws)]
+    assert accept_rate >= 0.2
+    assert min(p for _, _, p in results) < P_BIASED, f"biased drafter not detected: {results}"

@@ -1,0 +1,268 @@
+"""The Gradio demo (issue 6): chunk/round pairing, token colouring, and the app in a real headless browser.
+
+Everything is tiny, offline and CPU-only: a word-level tokenizer with a chat template built in memory,
+a 2-layer llama target whose greedy next token usually follows a fixed cycle over the vocabulary, and
+a "cheating" DSpark drafter that predicts that cycle with spread confidences, so rounds accept some
+drafts, reject others and (threshold mode) leave some unverified. The browser test needs Debian's
+chromium (``apt-get install chromium``) and the ``playwright`` package; it skips, saying so, without them.
+"""
+
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
+from dspark_hf import DSparkConfig, DSparkDrafter
+from dspark_hf.data import chat_ids
+from dspark_hf.demo import (
+    BONUS,
+    CORRECTION,
+    DRAFT,
+    PRUNED,
+    REJECTED,
+    TARGET,
+    RoundStreamer,
+    Transcript,
+    confidence_curve,
+    split_chunk,
+    stream_generation,
+)
+from dspark_hf.generation import GenerationStats, RoundStats
+
+CHROMIUM = os.environ.get("DSPARK_CHROMIUM", "/usr/bin/chromium")
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+WORDS = ("<unk> the a sea sky cat dog runs jumps over under blue green red small large quick slow bright dark "
+         "river mountain forest city night day sun moon star wind rain snow fire stone tree bird fish song "
+         "light shadow dream road home far near old new warm cold deep high low soft loud calm wild gold "
+         "silver glass paper iron cloud storm wave").split()
+V = len(WORDS)
+assert V == 64
+D = 64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls are much slower with 2 threads on a loaded 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------------------------ fixtures
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    """Whitespace word-level tokenizer over ``WORDS`` with a minimal chat template (no files, no network)."""
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                               "{% if add_generation_prompt %}the {% endif %}")
+    return tokenizer
+
+
+_g = torch.Generator().manual_seed(0)
+_ORDER = torch.randperm(V, generator=_g)
+CYCLE = torch.empty(V, dtype=torch.long)
+CYCLE[_ORDER] = _ORDER.roll(-1)  # x -> f(x): one cycle through the vocabulary
+CYCLE_INV = torch.argsort(CYCLE)
+
+
+def cycle_target(alpha=0.02, scale=3.0) -> LlamaForCausalLM:
+    """Llama whose greedy next token is usually ``CYCLE[last token]`` (leaves the cycle ~20 % of the time)."""
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=None,
+                         pad_token_id=0, bos_token_id=None, initializer_range=0.3, tie_word_embeddings=False)
+    target = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        q, _ = torch.linalg.qr(torch.randn(D, D, generator=torch.Generator().manual_seed(2)))
+        target.model.embed_tokens.weight.copy_(q[:V])
+        target.lm_head.weight.copy_(scale * q[:V][CYCLE_INV])
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.mul_(alpha)
+            layer.mlp.down_proj.weight.mul_(alpha)
+    target.config._name_or_path = "tiny-cycle-llama"
+    return target
+
+
+def cycle_drafter(target, block_size=5) -> DSparkDrafter:
+    """Markov drafter predicting ``CYCLE`` (W2 = +100 on f(x)); confidences spread by the previous token."""
+    config = DSparkConfig.for_target(target, num_context_layers=1, num_hidden_layers=1, sequential_head="markov",
+                                     sequential_rank=V, block_size=block_size, verification="threshold")
+    torch.manual_seed(3)
+    drafter = DSparkDrafter(config).eval()
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        drafter.token_table.weight.zero_()
+        drafter.token_table.weight[:V] = torch.eye(V)
+        for layer in drafter.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        drafter.sequential.w2.weight.copy_(100.0 * torch.eye(V)[CYCLE_INV])
+        drafter.confidence.proj.weight.zero_()
+        drafter.confidence.proj.weight[0, D:] = 2.5 * torch.randn(V, generator=g)
+        drafter.confidence.proj.bias.fill_(1.0)
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    target = cycle_target()
+    return SimpleNamespace(target=target, tokenizer=word_tokenizer(), drafter=cycle_drafter(target).bind(target))
+
+
+# ----------------------------------------------------------------------------- pure pairing
+def test_split_chunk_without_and_with_draft_tokens():
+    r = RoundStats(drafted=5, scheduled=3)
+    assert split_chunk([7], None) == (0, None)
+    assert split_chunk([4, 5, 9], r) == (2, None)  # no draft ids: every token but the last is a draft
+    r.draft_tokens = [4, 5, 6, 1, 2]
+    assert split_chunk([4, 5, 9], r) == (2, [4, 5, 6, 1, 2])  # correction at position 3
+    assert split_chunk([4, 5, 6, 8], r) == (3, [4, 5, 6, 1, 2])  # all ℓ accepted + bonus
+    assert split_chunk([4, 5], r) == (2, [4, 5, 6, 1, 2])  # EOS accepted as draft 2: no target token
+
+
+def test_streamer_pairs_chunks_with_rounds():
+    """Prompt skipped; prefill chunk has no round; each later chunk takes the round appended before it."""
+    stats = GenerationStats(verification="threshold")
+    drafter = SimpleNamespace(last_stats=None)
+    got = []
+    streamer = RoundStreamer(drafter, lambda chunk, view: got.append((chunk, view)))
+    streamer.put(torch.tensor([[1, 2, 3]]))  # the prompt
+    drafter.last_stats = stats
+    streamer.put(torch.tensor([10]))  # prefill step: no round
+    stats.rounds.append(RoundStats(drafted=4, scheduled=2, confidences=[0.9, 0.8, 0.3, 0.2]))
+    stats.rounds[-1].draft_tokens = [11, 12, 13, 14]
+    streamer.put(torch.tensor([11, 12, 20]))  # both scheduled drafts accepted + bonus
+    stats.rounds[-1].accepted = 2
+    stats.rounds.append(RoundStats(drafted=4, scheduled=0, confidences=[0.1] * 4))
+    streamer.put(torch.tensor([21]))  # ℓ = 0: the target's token only
+    stats.rounds.append(RoundStats(drafted=4, scheduled=4, confidences=[0.9] * 4))
+    streamer.put(torch.tensor([22, 30]))  # one accepted, correction (no draft ids: counts only)
+    streamer.put(torch.tensor([31]))  # no room to draft: no new round
+    assert [c for c, _ in got] == [[10], [11, 12, 20], [21], [22, 30], [31]]
+    views = [v for _, v in got]
+    assert views[0] is None and views[4] is None
+    assert [(v.index, v.accepted, v.scheduled) for v in views[1:4]] == [(1, 2, 2), (2, 0, 0), (3, 1, 4)]
+
+    tokenizer = word_tokenizer()
+    transcript = Transcript(tokenizer)
+    for chunk, view in got:
+        transcript.add_chunk(chunk, view)
+    kinds = [s.kind for s in transcript.spans]
+    # round 1 has draft ids (one ghost per draft); rounds 2-3 have none (one badge counting the drafts)
+    assert kinds == [TARGET, DRAFT, DRAFT, BONUS, PRUNED, PRUNED, BONUS, PRUNED, DRAFT, CORRECTION, REJECTED, TARGET]
+    assert [s.count for s in transcript.spans if s.kind in (PRUNED, REJECTED)] == [1, 1, 4, 3]
+    assert [s.token_id for s in transcript.spans if s.kind == PRUNED][:2] == [13, 14]
+    assert transcript.new_tokens == 8 and transcript.tau() == pytest.approx((3 + 1 + 2) / 3)
+    assert transcript.text == tokenizer.decode([10, 11, 12, 20, 21, 22, 30, 31])
+    html = transcript.render(show_drafts=True)
+    assert html.count('class="tok tok-draft"') == 3 and 'class="ghost tok tok-rejected"' in html
+    assert "hide-ghosts" in transcript.render(show_drafts=False)
+    # position k counted where reached and verified; accepted iff n >= k
+    rows = {(r["series"], r["position"]): r for r in confidence_curve(transcript.rounds)}
+    assert rows["acceptance rate", 1]["value"] == pytest.approx(1.0) and rows["acceptance rate", 1]["rounds"] == 2
+    assert rows["acceptance rate", 2]["value"] == pytest.approx(0.5)
+    assert rows["confidence c_k", 1]["value"] == pytest.approx(0.9)
+
+
+# -------------------------------------------------------------------------- real generation
+def test_stream_generation_matches_plain_generate(tiny):
+    """Streamed DSpark tokens equal plain greedy generate; rounds agree with drafter.last_stats."""
+    ids = chat_ids(tiny.tokenizer, "the quick cat runs over the river")
+    runs = list(stream_generation(tiny.target, tiny.tokenizer, ids, 24, 0.0, tiny.drafter, interval=0.0,
+                                  dspark_verification="threshold", dspark_block_size=5, dspark_threshold=0.5))
+    run = runs[-1]
+    assert run.error is None and run.seconds is not None
+    ref = tiny.target.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+    assert run.ids == ref
+    stats = tiny.drafter.last_stats
+    assert [(r.accepted, r.scheduled) for r in run.rounds] == [(r.accepted, r.scheduled) for r in stats.rounds]
+    assert run.tau() == pytest.approx(stats.tau)
+    kinds = {s.kind for s in run.spans}
+    assert {DRAFT, TARGET} <= kinds and kinds & {BONUS, CORRECTION}
+    plain = list(stream_generation(tiny.target, tiny.tokenizer, ids, 24, 0.0, None, interval=0.0))[-1]
+    assert plain.ids == ref and {s.kind for s in plain.spans} == {"plain"}
+
+
+def test_unavailable_scheduler_is_explained(tiny):
+    from dspark_hf.demo import available_modes, check_mode, default_mode
+
+    assert tiny.drafter.calibration is None
+    assert available_modes(tiny.drafter) == ["fixed", "threshold"]
+    assert default_mode(tiny.drafter) == "threshold"
+    assert "calibration" in check_mode(tiny.drafter, "scheduler")
+
+
+def test_cli_registers_demo(monkeypatch):
+    from dspark_hf import cli, demo
+
+    seen = {}
+    monkeypatch.setattr(demo, "cmd_demo", lambda args: seen.update(vars(args)))
+    # add_cli looks cmd_demo up when main() builds the parser
+    cli.main(["demo", "--port", "7999", "--share", "false", "--drafter", "x"])
+    assert seen["port"] == 7999 and seen["share"] is False and seen["drafter"] == "x"
+
+
+# ------------------------------------------------------------------------------------ browser
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_demo_in_headless_browser(tiny):
+    """Serve the app, type a prompt in Chromium, see coloured token spans and live stats; screenshot it."""
+    if not (shutil.which(CHROMIUM) or Path(CHROMIUM).is_file()):
+        pytest.skip(f"no Chromium at {CHROMIUM}: install Debian's `chromium` package (CI does) to run the browser test")
+    pytest.importorskip("gradio", reason="the demo needs gradio: pip install 'dspark-hf[demo]'")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (no browser download needed)")
+    from dspark_hf.demo import launch
+
+    port = _free_port()
+    app = launch(tiny.target, tiny.tokenizer, tiny.drafter, port=port, prevent_thread_lock=True, max_new_tokens=40,
+                 interval=0.05)
+    try:
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(
+                executable_path=CHROMIUM, headless=True,
+                args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                      "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+            )
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"http://127.0.0.1:{port}/", wait_until="domcontentloaded", timeout=60_000)
+            page.wait_for_selector("#dspark-prompt textarea", timeout=60_000)
+            assert page.locator("#dspark-legend .tok-draft").count() == 1  # the legend is there
+            page.fill("#dspark-prompt textarea", "the quick cat runs over the river")
+            page.locator("#dspark-side input[type=checkbox]").check()
+            page.click("#dspark-run")
+            page.wait_for_selector("#dspark-output .tok-draft", timeout=60_000)
+            # side by side: the plain run finishes last and the speedup card appears
+            page.wait_for_selector('#dspark-stats [data-stat="speedup"]', timeout=60_000)
+            rounds = int(page.inner_text('#dspark-stats [data-stat="rounds"] .v'))
+            assert rounds > 0
+            assert float(page.inner_text('#dspark-stats [data-stat="tau"] .v')) > 1.0
+            assert page.inner_text('#dspark-stats [data-stat="identical"] .v') == "yes"
+            assert page.locator("#dspark-output .tok").count() >= 40
+            assert page.locator("#dspark-output .tok-bonus, #dspark-output .tok-correction").count() > 0
+            assert page.locator("#dspark-baseline .tok-plain").count() == 40
+            page.wait_for_selector("#dspark-plot canvas, #dspark-plot svg", timeout=30_000)
+            # the ghost toggle hides rejected / unverified drafts
+            page.locator("#dspark-ghosts input[type=checkbox]").uncheck()
+            page.wait_for_selector("#dspark-output .dspark-tokens.hide-ghosts", timeout=30_000)
+            page.locator("#dspark-ghosts input[type=checkbox]").check()
+            page.wait_for_selector("#dspark-output .dspark-tokens:not(.hide-ghosts)", timeout=30_000)
+            time.sleep(0.5)  # let the plot finish drawing for the screenshot
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "demo.png"), full_page=True)
+            browser.close()
+    finally:
+        app.close()

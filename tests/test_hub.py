@@ -1,0 +1,318 @@
+"""The Hub side (dspark_hf.hub): a drafter folder is a complete Hub repo, loadable by id offline.
+
+Everything is tiny, CPU-only and offline. The Hugging Face cache is filled by huggingface_hub's own
+``hf_hub_download`` (so blobs, snapshot symlinks and ``refs/main`` are exactly its layout) served by an
+in-memory ``httpx2.MockTransport`` through the public ``set_client_factory``: huggingface_hub has no
+API that adds local files to the cache, and no socket is ever opened. Loading then runs with
+``HF_HUB_OFFLINE=1``.
+"""
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import httpx2
+import huggingface_hub
+import pytest
+import torch
+from huggingface_hub import ModelCard, scan_cache_dir
+from huggingface_hub.utils import _http
+from huggingface_hub.utils.sha import git_hash
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import dspark_hf
+from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling, hub
+from dspark_hf.cli import main as cli_main
+from dspark_hf.target import DEFAULT_TARGET_NAME
+
+REPO_ID = "org/dspark-tiny"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+V, GAMMA = 64, 4
+BENCH = {
+    "tau": {"mt-bench": {"greedy": 3.21, "T=1": 2.87}, "humaneval": {"greedy": 4.02}},
+    "speedup": {"mt-bench": 1.45, "humaneval": 1.83},
+    "machine": "2-core x86-64 CPU, torch 2.13, fp32",
+    "command": "dspark bench --suites mt-bench humaneval",
+    "date": "2026-11-29",
+}
+TRAINING = {"steps": 1200, "minutes": 54.25, "config": {"target_tokens": 300000, "block_size": GAMMA},
+            "validation": {"loss": 1.234, "tau": 2.75, "accept": [0.7, 0.5, 0.35, 0.2]}}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_target() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False,
+                         eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny target folder and a card folder (drafter + calibration + training record + card) for REPO_ID."""
+    root = tmp_path_factory.mktemp("hub")
+    target = tiny_target()
+    target.save_pretrained(root / "target")
+    config = DSparkConfig.for_target(target, num_context_layers=2, num_hidden_layers=1, intermediate_size=64,
+                                     sequential_rank=8, block_size=GAMMA, draft_vocab_size=48,
+                                     target_name_or_path=DEFAULT_TARGET_NAME)
+    drafter = DSparkDrafter(config)
+    drafter.set_draft_vocab(torch.randperm(V, generator=torch.Generator().manual_seed(0))[:48])
+    g = torch.Generator().manual_seed(0)
+    drafter.calibration = SequentialTemperatureScaling().fit(torch.rand(64, GAMMA, generator=g),
+                                                             torch.randint(0, GAMMA + 1, (64,), generator=g))
+    card_dir = root / "card"
+    drafter.save_pretrained(card_dir)
+    (card_dir / "training.json").write_text(json.dumps(TRAINING))
+    (root / "bench.json").write_text(json.dumps(BENCH))
+    cli_main(["card", str(card_dir), "--bench", str(root / "bench.json"), "--repo-id", REPO_ID])
+    return root
+
+
+def populate_hub_cache(folder: Path, repo_id: str, cache_dir: Path, commit: str = COMMIT) -> None:
+    """Download every file of ``folder`` as ``repo_id`` at ``commit`` with ``hf_hub_download`` from an in-memory Hub.
+
+    The fake answers ``/{repo_id}/resolve/{rev}/{file}`` like the Hub: ``X-Repo-Commit``, a git-blob
+    ``ETag``, and for safetensors (LFS) ``X-Linked-Etag`` = sha256 and ``X-Linked-Size``.
+    """
+    prefix = f"/{repo_id}/resolve/"
+
+    def serve(request):
+        path = request.url.path
+        file = folder / path[len(prefix):].split("/", 1)[1] if path.startswith(prefix) else None
+        if file is None or not file.is_file():
+            return httpx2.Response(404, headers={"X-Error-Code": "EntryNotFound"})
+        data = file.read_bytes()
+        headers = {"X-Repo-Commit": commit, "ETag": f'"{git_hash(data)}"', "Content-Length": str(len(data))}
+        if file.suffix == ".safetensors":
+            headers |= {"X-Linked-Etag": f'"{hashlib.sha256(data).hexdigest()}"', "X-Linked-Size": str(len(data))}
+        return httpx2.Response(200, headers=headers, content=b"" if request.method == "HEAD" else data)
+
+    previous = _http._GLOBAL_CLIENT_FACTORY  # no public getter; restored below
+    huggingface_hub.set_client_factory(lambda: httpx2.Client(transport=httpx2.MockTransport(serve), follow_redirects=True))
+    try:
+        for file in sorted(p for p in folder.rglob("*") if p.is_file()):
+            huggingface_hub.hf_hub_download(repo_id, file.relative_to(folder).as_posix(), cache_dir=cache_dir)
+    finally:
+        huggingface_hub.set_client_factory(previous)
+
+
+@pytest.fixture(scope="module")
+def hub_cache(saved):
+    cache = saved / "hf-cache"
+    populate_hub_cache(saved / "card", REPO_ID, cache)
+    return cache
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+def weights(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ----------------------------------------------------------------------------------- the folder
+def test_card_folder_is_the_hub_repo(saved):
+    card = saved / "card"
+    files = {p.relative_to(card).as_posix() for p in card.rglob("*") if p.is_file()}
+    assert {"README.md", "config.json", "model.safetensors", "calibration.json", "training.json", "config.py",
+            "model.py", "custom_generate/generate.py", "custom_generate/requirements.txt"} <= files
+    auto_map = json.loads((card / "config.json").read_text())["auto_map"]
+    assert auto_map == {"AutoConfig": "config.DSparkConfig", "AutoModel": "model.DSparkDrafter"}
+    assert hub.card_repo_id(card) == REPO_ID
+    assert (card / "custom_generate/requirements.txt").read_text().startswith(f"dspark-hf>={dspark_hf.__version__}")
+    hub.check_card_folder(card, REPO_ID)
+
+
+def test_card_metadata_and_records(saved):
+    card = ModelCard.load(saved / "card" / "README.md")
+    data = card.data
+    assert data.base_model == DEFAULT_TARGET_NAME
+    assert data.library_name == "transformers"
+    assert data.license == "apache-2.0"
+    assert data.pipeline_tag == "text-generation"
+    assert {"speculative-decoding", "dspark", "custom_generate"} <= set(data.tags)
+    assert data.datasets == ["anon8231489123/ShareGPT_Vicuna_unfiltered"]
+    text = card.text
+    assert f'custom_generate="{REPO_ID}"' in text and f'from_pretrained("{REPO_ID}")' in text
+    assert "| mt-bench | 3.21 | 2.87 |" in text and "| humaneval | 4.02 | – |" in text  # τ: rows x settings
+    assert "| humaneval | 1.83 |" in text and BENCH["machine"] in text and BENCH["command"] in text
+    report = json.loads((saved / "card" / "calibration.json").read_text())["report"]
+    assert f"{report['mean_ece_before']:.3g} before → {report['mean_ece_after']:.3g} after" in text
+    assert "1200 optimizer steps in 54.2 minutes" in text and "| accept | 0.7 | 0.5 | 0.35 | 0.2 |" in text
+    assert "Not measured yet" not in text
+
+
+def test_card_without_records_invents_nothing(saved):
+    config = DSparkConfig.from_pretrained(saved / "card")
+    text = hub.build_card(config, repo=REPO_ID).text
+    sections = dict(re.findall(r"^## (\w[\w ]*)\n(.*?)(?=^## |\Z)", text, re.S | re.M))
+    for name in ("Speed", "Confidence calibration", "Training"):
+        assert hub.NOT_MEASURED in sections[name], name
+    assert not re.search(r"\d", sections["Speed"])
+    partial = hub.build_card(config, repo=REPO_ID, bench={"tau": {"mt-bench": 3.0}}).text
+    speed = partial.split("## Speed")[1].split("## ")[0]
+    assert "| mt-bench | 3 |" in speed and hub.NOT_MEASURED in speed and "machine not recorded" in speed
+
+
+def test_metric_block_renders_any_flat_or_nested_record():
+    assert hub.metric_block("tau", 3.14159) == "**tau**: 3.14"
+    assert hub.metric_block("tau", {"a": 2.5, "b": 123.456}).splitlines()[2:] == ["| a | 2.5 |", "| b | 123.5 |"]
+    nested = hub.metric_block("tau", {"a": {"x": 1.0, "y": {"z": 2}}, "b": {"x": 3.0}})
+    assert nested.splitlines()[0] == "|  | x | y/z |" and "| b | 3 | – |" in nested
+    rows = hub.metric_block("tps", [{"suite": "s1", "v": 1.5}, {"suite": "s2", "v": 2.5}])
+    assert "| 2 | s2 | 2.5 |" in rows
+
+
+def test_card_rejects_a_target_that_is_not_a_hub_id(saved):
+    config = DSparkConfig.from_pretrained(saved / "card", target_name_or_path="/local/smollm2")
+    with pytest.raises(ValueError, match="not a Hub id"):
+        hub.build_card(config, repo=REPO_ID)
+
+
+# -------------------------------------------------------------------------------- load by id
+def test_from_pretrained_by_repo_id_from_the_hf_cache(saved, hub_cache, offline):
+    info = {repo.repo_id: repo for repo in scan_cache_dir(hub_cache).repos}
+    revision = next(iter(info[REPO_ID].revisions))
+    assert revision.commit_hash == COMMIT and revision.refs == {"main"}
+    local = DSparkDrafter.from_pretrained(saved / "card")
+    by_id = DSparkDrafter.from_pretrained(REPO_ID, cache_dir=hub_cache)
+    for name, tensor in weights(local).items():
+        torch.testing.assert_close(weights(by_id)[name], tensor, rtol=0, atol=0)
+    assert by_id.calibration is not None and by_id.calibration.temperatures == local.calibration.temperatures
+
+
+def _load_recipe(card_dir: Path):
+    spec = importlib.util.spec_from_file_location(f"recipe_{abs(hash(card_dir))}", card_dir / "custom_generate/generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_custom_generate_called_directly_uses_drafter_repo_and_hub_kwargs(saved, hub_cache, offline):
+    """Outside transformers' loader the recipe falls back to DRAFTER_REPO; Hub kwargs load it, not generate."""
+    target = LlamaForCausalLM.from_pretrained(saved / "target").eval()
+    ids = torch.randint(1, V, (1, 6), generator=torch.Generator().manual_seed(3))
+    plain = target.generate(ids, max_new_tokens=12, do_sample=False)
+    recipe = _load_recipe(saved / "card")
+    out = recipe.generate(target, ids, max_new_tokens=12, do_sample=False, cache_dir=str(hub_cache),
+                          dspark_verification="fixed")
+    assert torch.equal(out, plain)
+    (key, drafter), = recipe._drafters.items()
+    assert key[0] == REPO_ID and drafter.last_stats.rounds
+
+
+def test_custom_generate_without_a_location_asks_for_one(tmp_path, saved):
+    hub.write_custom_generate(tmp_path, repo_id=None)
+    with pytest.raises(ValueError, match="dspark_drafter="):
+        _load_recipe(tmp_path).generate(tiny_target(), torch.ones(1, 3, dtype=torch.long), max_new_tokens=2)
+
+
+FRESH = textwrap.dedent("""
+    import json, sys, torch
+    torch.set_num_threads(1)
+    from transformers import AutoModel, LlamaForCausalLM
+    from safetensors.torch import load_file
+    card, target_dir, repo_id = sys.argv[1:4]
+    result = {}
+    drafter = AutoModel.from_pretrained(card, trust_remote_code=True)
+    saved = load_file(card + "/model.safetensors")
+    state = drafter.state_dict()
+    result["remote_class"] = type(drafter).__module__.startswith("transformers_modules") and type(drafter).__name__
+    result["weights_equal"] = all(torch.equal(state[k], v) for k, v in saved.items())
+    result["calibration"] = drafter.calibration is not None
+    result["imported_before_generate"] = "dspark_hf" in sys.modules
+    target = LlamaForCausalLM.from_pretrained(target_dir).eval()
+    ids = torch.randint(1, 64, (1, 6), generator=torch.Generator().manual_seed(1))
+    plain = target.generate(ids, max_new_tokens=16, do_sample=False)
+    for name, location in (("folder", card), ("repo_id", repo_id)):
+        out = target.generate(ids, max_new_tokens=16, do_sample=False, custom_generate=location,
+                              trust_remote_code=True, dspark_verification="fixed")
+        result[name] = torch.equal(out, plain)
+    recipes = [m for n, m in sys.modules.items() if n.endswith("custom_generate.generate")]
+    result["drafters"] = sorted(k[0] for m in recipes for k in m._drafters)
+    result["rounds"] = [len(d.last_stats.rounds) for m in recipes for d in m._drafters.values()]
+    print("RESULT " + json.dumps(result))
+""")
+
+
+def test_fresh_process_without_dspark_import(saved, hub_cache, tmp_path):
+    """trust_remote_code loads the drafter, and custom_generate (by folder and by Hub id) decodes
+    token-identically to plain generate, in a process that never imports dspark_hf itself."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache), "HF_MODULES_CACHE": str(tmp_path),
+           "PYTHONPATH": str(Path(dspark_hf.__file__).resolve().parent.parent), "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-c", FRESH, str(saved / "card"), str(saved / "target"), REPO_ID],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert result["remote_class"] == "DSparkDrafter" and result["weights_equal"] and result["calibration"]
+    assert result["imported_before_generate"] is False
+    assert result["folder"] and result["repo_id"]
+    assert result["drafters"] == sorted([str(saved / "card"), REPO_ID])  # each call found its own repo
+    assert all(r > 0 for r in result["rounds"])
+
+
+# -------------------------------------------------------------------------------------- push
+class FakeHfApi:
+    calls: list = []
+
+    def __init__(self, token=None, **kwargs):
+        self.token = token
+
+    def create_repo(self, repo_id, **kwargs):
+        self.calls.append(("create_repo", self.token, repo_id, kwargs))
+
+    def upload_folder(self, **kwargs):
+        self.calls.append(("upload_folder", self.token, kwargs["repo_id"], kwargs))
+        return huggingface_hub.CommitInfo(commit_url=f"https://hf.co/{kwargs['repo_id']}/commit/1", commit_message="",
+                                          commit_description="", oid="1" * 40)
+
+
+@pytest.fixture
+def fake_api(monkeypatch):
+    FakeHfApi.calls = []
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeHfApi)
+    return FakeHfApi.calls
+
+
+def test_push_without_token_names_the_fix(saved, monkeypatch, fake_api):
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    with pytest.raises(hub.HubTokenError, match=r"huggingface-cli login.*HF_TOKEN"):
+        hub.push(saved / "card", REPO_ID)
+    with pytest.raises(SystemExit, match="HF_TOKEN"):
+        cli_main(["push", str(saved / "card"), "--repo-id", REPO_ID])
+    assert fake_api == []
+
+
+def test_push_uploads_the_folder(saved, monkeypatch, fake_api):
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_fake")
+    cli_main(["push", str(saved / "card"), "--repo-id", REPO_ID, "--private"])
+    (create, token, repo, kwargs), (upload, token2, repo2, up) = fake_api
+    assert (create, token, repo) == ("create_repo", "hf_fake", REPO_ID)
+    assert kwargs == {"private": True, "exist_ok": True, "repo_type": "model"}
+    assert (upload, token2, repo2) == ("upload_folder", "hf_fake", REPO_ID)
+    assert Path(up["folder_path"]) == saved / "card" and up["repo_type"] == "model" and up["delete_patterns"] == "*"
+
+
+def test_push_refuses_a_card_written_for_another_repo(saved, monkeypatch, fake_api):
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: pytest.fail("checked the token before the folder"))
+    with pytest.raises(ValueError, match=f"dspark card .* --repo-id org/other"):
+        hub.push(saved / "card", "org/other")
+    assert fake_api == []

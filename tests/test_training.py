@@ -1,0 +1,106 @@
+"""Training: each loss term against hand-computed values, position weights, packing, a smoke run."""
+
+import json
+import math
+from types import SimpleNamespace
+
+import datasets
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dspark_hf.config import spread_layer_ids
+from dspark_hf.data import load_shards, prepare_data
+from dspark_hf.training import TrainConfig, dspark_loss, expected_tau, position_weights, train, tv_distance
+
+
+def test_position_weights_follow_paper():
+    w = position_weights(3)
+    torch.testing.assert_close(w, torch.tensor([1.0, math.exp(-1 / 3), math.exp(-2 / 3)]))
+    torch.testing.assert_close(position_weights(2, decay=1.0), torch.tensor([1.0, math.exp(-1.0)]))
+
+
+def test_tv_distance_on_topk_support():
+    p_d = torch.tensor([[0.5, 0.3, 0.2, 0.0]])
+    # target top-2: token 1 (0.6) and token 0 (0.3); 0.1 of its mass is elsewhere
+    ids, probs = torch.tensor([[1, 0]]), torch.tensor([[0.6, 0.3]])
+    # |0.3-0.6| + |0.5-0.3| + |(1-0.8) - 0.1| = 0.3 + 0.2 + 0.1
+    torch.testing.assert_close(tv_distance(p_d, ids, probs), torch.tensor([0.6]))
+    # a target token outside the draft vocabulary (-1) counts fully: 0.6 + |0.5-0.3| + |0.5-0.1|
+    torch.testing.assert_close(tv_distance(p_d, torch.tensor([[-1, 0]]), probs), torch.tensor([1.2]))
+
+
+def test_loss_terms_by_hand():
+    logits = torch.log(torch.tensor([[[0.5, 0.3, 0.2], [0.1, 0.8, 0.1]]]))  # N=1 block, γ=2, V'=3
+    labels = torch.tensor([[0, 1]])
+    target_ids = torch.tensor([[[0, 1, 2], [1, 0, 2]]])
+    target_probs = torch.tensor([[[0.5, 0.3, 0.2], [0.4, 0.5, 0.1]]])  # position 2: |0.8-0.4|+|0.1-0.5| = 0.8
+    conf_logits = torch.zeros(1, 2)  # c = 0.5
+    valid = torch.ones(1, 2, dtype=torch.bool)
+    w = torch.tensor([1.0, 0.5])
+    loss, parts = dspark_loss(logits, conf_logits, labels, target_ids, target_probs, valid, w, {"ce": 0.1, "tv": 0.9, "conf": 1.0})
+    ce = -(math.log(0.5) + 0.5 * math.log(0.8))
+    tv = 0.0 + 0.5 * 0.8
+    c_star = torch.tensor([1.0, 0.6])  # 1 - ½ L1
+    bce = -(c_star * math.log(0.5) + (1 - c_star) * math.log(0.5))
+    conf = float(bce[0] + 0.5 * bce[1])
+    assert parts["ce"].item() == pytest.approx(ce, rel=1e-5)
+    assert parts["tv"].item() == pytest.approx(tv, rel=1e-5)
+    assert parts["conf"].item() == pytest.approx(conf, rel=1e-5)
+    assert loss.item() == pytest.approx(0.1 * ce + 0.9 * tv + conf, rel=1e-5)
+    torch.testing.assert_close(parts["accept"], c_star)
+    assert expected_tau(parts["accept"]) == pytest.approx(1 + 1.0 + 0.6)
+
+
+def test_invalid_positions_and_oov_labels_do_not_count():
+    logits = torch.zeros(1, 2, 3)
+    valid = torch.tensor([[True, False]])
+    ids = torch.tensor([[[0, 1, 2], [0, 1, 2]]])
+    probs = torch.full((1, 2, 3), 1 / 3)
+    _, parts = dspark_loss(logits, None, torch.tensor([[-1, 2]]), ids, probs, valid, torch.ones(2), {"ce": 1, "tv": 1})
+    assert parts["ce"].item() == 0.0  # position 1 out of the draft vocabulary, position 2 invalid
+    assert parts["tv"].item() == pytest.approx(0.0, abs=1e-6)
+    assert "conf" not in parts
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, eos_token_id=None)
+    target = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # a peaked, learnable target: logits follow the input token
+        target.lm_head.weight.mul_(8)
+    prompts = torch.randint(3, 48, (48, 6)).tolist()
+    queue = [(f"r{i}_0", "validation" if i % 8 == 0 else "train", p) for i, p in enumerate(prompts)]
+    out = tmp_path_factory.mktemp("data")
+    datasets.disable_progress_bars()
+    prepare_data(target, SimpleNamespace(pad_token_id=0), out, spread_layer_ids(6, 2), target_tokens=10_000, batch_size=16,
+                 max_new_tokens=24, topk=8, sampling=dict(do_sample=True, temperature=1.0), queue=queue)
+    return target, out
+
+
+def test_prepared_rows_are_aligned(tiny_data):
+    target, out = tiny_data
+    row = load_shards(out, "train")[0]
+    n, p = len(row["input_ids"]), int(row["prompt_len"])
+    assert row["features"].shape == (n - 1, 2 * 32)
+    assert row["topk_ids"].shape == (n - p - 1, 8)
+    with torch.no_grad():
+        logits = target(row["input_ids"][None].long()).logits[0]
+    # top-1 of the recorded distribution at response position j is the target's argmax there
+    assert torch.equal(row["topk_ids"][:, 0].long(), logits[p : n - 1].argmax(-1))
+
+
+def test_smoke_training_lowers_validation_loss(tiny_data, tmp_path):
+    target, out = tiny_data
+    cfg = TrainConfig(data_dir=str(out), out_dir=str(tmp_path / "run"), num_hidden_layers=1, sequential_rank=8,
+                      block_size=4, num_context_layers=2, draft_vocab_size=None,
+                      steps=60, sequences_per_step=4, anchors_per_sequence=6, lr=3e-3, warmup_steps=5,
+                      eval_every=60, save_every=30, val_sequences=6)
+    final = train(target, cfg, progress=False)
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    first, last = log[0]["validation"], log[-1]["validation"]
+    assert last["loss"] < 0.8 * first["loss"]
+    assert last["tau"] > first["tau"]
+    assert (final / "model.safetensors").is_file() and (tmp_path / "run" / "checkpoint" / "state.pt").is_file()
