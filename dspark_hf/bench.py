@@ -311,7 +311,8 @@ class BuiltinDFlashAdapter(torch.nn.Module):
 
     @torch.no_grad()
     def forward(self, noise_embeds, context_hidden_states, position_ids, attention_mask=None, cache=None, **kwargs):
-        """``noise_embeds`` ``(1, γ + 1, d)``, ``context_hidden_states`` ``(1, n_new, m*d)`` -> ``.last_hidden_state`` ``(1, γ + 1, d)``."""
+        """``noise_embeds`` ``(1, γ + 1, d)`` and ``context_hidden_states`` ``(1, n_new, m*d)`` of the newly
+        accepted positions -> ``BaseModelOutput`` whose ``last_hidden_state`` is ``(1, γ + 1, d)``."""
         from transformers.modeling_outputs import BaseModelOutput
 
         if cache is None or cache is not self._cache:  # a new generate call
@@ -384,7 +385,8 @@ def modes_of(drafter) -> list[str]:
 
 def plan_methods(drafters: dict, adapters: dict, thresholds: dict, settings: BenchSettings) -> list[Method]:
     """Pass-2 methods: plain, prompt lookup, built-in DFlash, then every drafter's modes."""
-    methods = [Method("plain"), Method("prompt-lookup", kwargs={"prompt_lookup_num_tokens": settings.prompt_lookup_num_tokens})]
+    lookup = {"prompt_lookup_num_tokens": settings.prompt_lookup_num_tokens}
+    methods = [Method("plain"), Method("prompt-lookup", kwargs=lookup)]
     for name, adapter in adapters.items():
         methods.append(Method(f"{name}:builtin-dflash", name,
                               {"assistant_model": adapter, "speculation_type": "dflash"}, adapter))
@@ -452,7 +454,13 @@ def wall_clock_pass(target, drafters, methods: list[Method], suites, settings: B
     return out
 
 
+def _rounds_of_run(run) -> int | None:
+    return len(run.stats.rounds) if run.stats is not None else getattr(run, "builtin_rounds", None)
+
+
 def _tau_of_run(run) -> float | None:
+    """τ of a speculative run; for the built-in DFlash path ``(new tokens - 1) / rounds`` (the prefill token is
+    not a round; a final plain step when one token is left is counted in, so it can exceed the true τ slightly)."""
     if run.stats is not None:
         return run.stats.tau
     rounds = getattr(run, "builtin_rounds", None)
@@ -484,6 +492,7 @@ def summarize_wall_clock(records: dict, methods: list[Method], log=_log_default)
                     "tokens_per_s": run.tokens_per_s,
                     "speedup": run.tokens_per_s / plain.tokens_per_s,
                     "tau": _tau_of_run(run),
+                    "rounds": _rounds_of_run(run),
                     "identical": where is None,
                 })
             plain_median = median([p["runs"]["plain"].tokens_per_s for p in prompts])
@@ -790,12 +799,12 @@ def markdown_report(result: dict) -> str:
     out += [f"macro τ(dspark) / macro τ(dflash): greedy {_fmt(ratios.get('greedy'), 3)}, "
             f"T = 1 {_fmt(ratios.get('t1'), 3)}", ""]
 
-    out += ["## Position-wise conditional acceptance P(n ≥ k | n ≥ k−1)", ""]
-    for key in ("greedy", "t1"):
-        for suite in suites:
-            rows = [[name, *vals] for name, vals in result["conditional_acceptance"][key][suite].items()]
-            out += [f"**{suite}, {key}** (![plot](conditional_acceptance_{suite}.png))" if key == "t1" else f"**{suite}, {key}**",
-                    "", _table(["drafter", *(f"k={k}" for k in range(1, s["gamma"] + 1))], rows), ""]
+    out += ["## Position-wise conditional acceptance P(n ≥ k | n ≥ k−1)", "",
+            "Fixed rounds that verified all γ drafts (the last round of each generation dropped).", ""]
+    for suite in suites:
+        rows = [[f"{name} ({key})", *vals] for key in ("greedy", "t1")
+                for name, vals in result["conditional_acceptance"][key][suite].items()]
+        out += [f"**{suite}**", "", _table(["drafter", *(f"k={k}" for k in range(1, s["gamma"] + 1))], rows), ""]
 
     out += ["## Confidence (greedy fixed rounds)", ""]
     for name, entry in result["confidence"].items():
@@ -804,19 +813,20 @@ def markdown_report(result: dict) -> str:
             out += [f"**{name}**: no full rounds.", ""]
             continue
         out += [f"**{name}** ({cal['rounds']} rounds, all suites): mean ECE of a_k {100 * cal['mean_ece_before']:.1f}% "
-                f"before STS → {100 * cal['mean_ece_after']:.1f}% after; best static threshold "
-                f"(modelled tokens/s) t = {_fmt(entry['best_threshold'], 1)}", ""]
+                f"before STS → {100 * cal['mean_ece_after']:.1f}% after; best static threshold by modelled "
+                f"tokens/s (SPS curve + median draft cost): t = {_fmt(entry['best_threshold'], 1)}", ""]
         rows = [[p["position"], p["survival_rate"], 100 * p["ece_before"], 100 * p["ece_after"], p["roc_auc"],
                  p["n_conditional"]] for p in cal["positions"]]
         out += [_table(["k", "survival", "ECE before %", "ECE after %", "ROC-AUC", "n (n ≥ k−1)"], rows), ""]
-        for suite in [*suites, "all"]:
-            sweep = entry["suites"][suite]["threshold_sweep"]
-            if not sweep:
-                continue
-            rows = [[_fmt(r["threshold"], 1), r["accepted_per_step"], r["rejected_per_step"],
-                     100 * r["acceptance_rate"], r.get("modelled_tokens_per_s")] for r in sweep]
-            out += [f"threshold sweep, {suite} (![plot](threshold_sweep_{name}.png))", "",
-                    _table(["t", "accepted/step", "rejected/step", "acceptance %", "modelled tok/s"], rows), ""]
+        panels = [x for x in [*suites, "all"] if entry["suites"][x]["threshold_sweep"]]
+        if panels:
+            sweeps = [entry["suites"][x]["threshold_sweep"] for x in panels]
+            rows = [[_fmt(sweeps[0][i]["threshold"], 1),
+                     *(f"{_fmt(sw[i]['accepted_per_step'])} / {_fmt(sw[i]['rejected_per_step'])} / "
+                       f"{_fmt(100 * sw[i]['acceptance_rate'], 1)}%" for sw in sweeps),
+                     sweeps[-1][i].get("modelled_tokens_per_s")] for i in range(len(sweeps[0]))]
+            out += ["Static threshold sweep (accepted incl. bonus / rejected per step / acceptance rate):", "",
+                    _table(["t", *panels, "modelled tok/s (all)"], rows), ""]
 
     wall = result["wall_clock"]
     out += ["## Wall clock (greedy; methods interleaved per prompt)", "",
@@ -835,9 +845,10 @@ def markdown_report(result: dict) -> str:
     out += [_table(["method", "rounds", "median draft ms", "median verify ms", "mean ℓ"], rows), ""]
     sps = result["sps"]
     shown = [b for b in (1, 2, 4, 8, 16, 32) if b <= len(sps["ms_per_step"])]
-    out += [f"SPS curve ({sps['device_name']}, context {sps['context_len']}), ms per verification step "
-            "(![plot](sps_curve.png)):", "",
+    out += [f"SPS curve ({sps['device_name']}, context {sps['context_len']}), ms per verification step:", "",
             _table(["B", *map(str, shown)], [["ms", *(sps["ms_per_step"][b - 1] for b in shown)]]), ""]
+    if result.get("plots"):
+        out += ["## Plots", ""] + [f"![{p}]({p})" for p in result["plots"]] + [""]
     return "\n".join(out)
 
 
@@ -864,7 +875,8 @@ def write_plots(result: dict, raw: dict, out_dir: Path, drafters: dict) -> list[
                 vals = result["conditional_acceptance"][key][suite][name]
                 ys = [float("nan") if v is None else v for v in vals]
                 ax.plot(positions, ys, style, marker="o", markersize=3, color=f"C{i}", label=f"{name} ({key})")
-        ax.set(title=f"{suite}: conditional acceptance", xlabel="draft position k", ylabel="P(n ≥ k | n ≥ k−1)")
+        ax.set(title=f"{suite}: conditional acceptance", xlabel="draft position k", ylabel="P(n ≥ k | n ≥ k−1)",
+               xticks=positions)
         ax.legend(fontsize="x-small")
         written.append(_save(fig, out_dir / f"conditional_acceptance_{suite}.png"))
     for name, entry in result["confidence"].items():  # paper Fig. 5
@@ -961,6 +973,8 @@ def cmd_bench(args):
     for name, n in skipped.items():
         if n:
             notes.append(f"suite {name!r}: {n} prompts longer than {settings.max_prompt_tokens} tokens skipped.")
+        if len(suites[name]) < settings.limit:
+            notes.append(f"suite {name!r} has only {len(suites[name])} prompts (limit {settings.limit}).")
     empty = [n for n, p in suites.items() if not p]
     if empty:
         sys.exit(f"Suites without prompts: {empty}")

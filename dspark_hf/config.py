@@ -12,13 +12,15 @@ MAX_BLOCK_SIZE = 16
 def spread_layer_ids(num_target_layers: int, num_context_layers: int) -> list[int]:
     """``m`` target layer indices spread evenly from layer 1 to layer L-3 (the DFlash recipe).
 
-    Indices are 0-based decoder layers; the feature of layer ``i`` is ``hidden_states[i + 1]``.
+    Indices are 0-based decoder layers; the feature of layer ``i`` is ``hidden_states[i + 1]``. Targets
+    too shallow for ``m`` distinct layers get fewer.
     """
-    last = max(1, num_target_layers - 3)
+    first = min(1, num_target_layers - 1)
+    last = max(first, num_target_layers - 3)
     if num_context_layers == 1:
         return [last]
-    step = (last - 1) / (num_context_layers - 1)
-    return sorted({round(1 + j * step) for j in range(num_context_layers)})
+    step = (last - first) / (num_context_layers - 1)
+    return sorted({round(first + j * step) for j in range(num_context_layers)})
 
 
 class DSparkConfig(PreTrainedConfig):

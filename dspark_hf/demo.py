@@ -96,9 +96,9 @@ def split_chunk(chunk: list[int], round_stats) -> tuple[int, list[int] | None]:
     """Number of accepted drafts at the start of ``chunk`` and the round's drafted ids (or ``None``).
 
     ``round_stats`` is the round's ``RoundStats`` or ``None`` (a step without drafts). With
-    ``draft_tokens`` (all γ drafted ids) the accepted prefix is the common prefix of ``chunk`` and ``d[:ℓ]`` (a target
-    token never equals the draft it replaces, in greedy or speculative sampling); without it, every
-    token but the last is an accepted draft, as transformers counts them.
+    ``draft_tokens`` (all γ drafted ids) the accepted prefix is the common prefix of ``chunk`` and
+    ``d[:ℓ]`` (a target token never equals the draft it replaces, in greedy or speculative sampling);
+    without them, every token but the last is an accepted draft, as transformers counts them.
     """
     if round_stats is None:
         return 0, None
@@ -228,7 +228,8 @@ class Transcript:
             if not positions:
                 continue
             if view.draft_tokens is None:
-                self.spans.append(TokenSpan("", kind, round=view.index, position=positions[0] + 1, count=len(positions)))
+                first, count = positions[0] + 1, len(positions)
+                self.spans.append(TokenSpan("", kind, round=view.index, position=first, count=count))
                 continue
             for k in positions:
                 t = view.draft_tokens[k]
@@ -276,7 +277,9 @@ class Transcript:
                     parts.append(f'<span class="ghost tok tok-{s.kind}" title="{title}">{_esc(s.text)}</span>')
                 continue
             cls = f"tok tok-{s.kind}" + (" special" if s.special else "")
-            parts.append(f'<span class="{cls}" title="{_title(s, s.kind)}">{_esc(s.text)}</span>')
+            word = s.text.lstrip(" ") or s.text  # leading spaces stay uncoloured (no empty boxes at line ends)
+            lead = s.text[: len(s.text) - len(word)]
+            parts.append(f'{lead}<span class="{cls}" title="{_title(s, s.kind)}">{_esc(word)}</span>')
         body = "".join(parts) or f'<span class="placeholder">{html.escape(placeholder)}</span>'
         return show_ghosts(f'<div class="dspark-tokens">{body}</div>', show_drafts)
 
@@ -305,13 +308,20 @@ def _title(s: TokenSpan, label: str) -> str:
 
 
 # ------------------------------------------------------------------------- confidence vs acceptance
+ACCEPTANCE, CONFIDENCE = "acceptance rate", "confidence c_k"
+PLOT_COLORS = {ACCEPTANCE: "#2e9d4a", CONFIDENCE: "#1f5fbf"}
+POSITION_ORDER = [str(k) for k in range(1, MAX_BLOCK_SIZE + 1)]
+
+
 def confidence_curve(rounds: list[RoundView], calibration=None) -> list[dict]:
     """Per draft position k: mean confidence c_k and the empirical acceptance rate, over reached rounds.
 
     c_k is a conditional survival probability (paper eq. 7): P(d_k accepted | d_1..d_{k-1} accepted).
     Its empirical counterpart at position k uses the rounds where k was verified (k <= ℓ) and every
     earlier draft was accepted (n >= k-1); d_k is accepted iff n >= k. ``calibration`` (an STS) maps
-    raw confidences to calibrated ones first. Returns rows ``{position, value, series, rounds}``.
+    raw confidences to calibrated ones first (skipped when γ exceeds its fitted positions). Returns rows
+    ``{position, value, series, rounds}`` (series ``"acceptance rate"`` and, with a confidence head,
+    ``"confidence c_k"``).
     """
     sums: dict[int, list[float]] = {}
     gamma = max((len(r.confidences) for r in rounds), default=0)
@@ -327,12 +337,11 @@ def confidence_curve(rounds: list[RoundView], calibration=None) -> list[dict]:
             acc[1] += conf[k] if k < len(conf) else float("nan")
             acc[2] += 1
     rows = []
-    label = "confidence c_k (calibrated)" if calibration is not None else "confidence c_k"
     for k in sorted(sums):
         accepted, conf, count = sums[k]
-        rows.append(dict(position=k, value=accepted / count, series="acceptance rate", rounds=count))
+        rows.append(dict(position=k, value=accepted / count, series=ACCEPTANCE, rounds=count))
         if conf == conf:  # not NaN: the drafter has a confidence head
-            rows.append(dict(position=k, value=conf / count, series=label, rounds=count))
+            rows.append(dict(position=k, value=conf / count, series=CONFIDENCE, rounds=count))
     return rows
 
 
@@ -432,7 +441,7 @@ def stream_generation(target, tokenizer, prompt_ids: list[int], max_new_tokens: 
         try:
             kwargs = dict(settings, stopping_criteria=StoppingCriteriaList([StopOnEvent(stop)]))
             transcript.start = time.perf_counter()
-            run = timed_generate(target, prompt_ids, max_new_tokens, temperature, drafter, streamer, seed=seed, **kwargs)
+            run = timed_generate(target, prompt_ids, max_new_tokens, temperature, drafter, streamer, seed, **kwargs)
             events.put(("done", run.seconds))
         except Exception as err:  # shown in the app instead of killing the server thread
             events.put(("error", f"{type(err).__name__}: {err}"))
@@ -481,7 +490,9 @@ def build_app(target, tokenizer, drafter, *, title: str = "DSpark speculative de
 
     Returns:
         ``gradio.Blocks``. Element ids for scripting: ``dspark-prompt``, ``dspark-run``, ``dspark-stop``,
-        ``dspark-output``, ``dspark-baseline``, ``dspark-stats``, ``dspark-plot``, ``dspark-status``.
+        ``dspark-max-new``, ``dspark-temperature``, ``dspark-gamma``, ``dspark-mode``, ``dspark-threshold``,
+        ``dspark-side``, ``dspark-ghosts``, ``dspark-output``, ``dspark-baseline``, ``dspark-stats`` (cards
+        ``[data-stat=tau|tokens_per_s|rounds|speedup|...] .v``), ``dspark-plot``, ``dspark-status``.
     """
     import gradio as gr
 
@@ -492,9 +503,13 @@ def build_app(target, tokenizer, drafter, *, title: str = "DSpark speculative de
     if drafter.calibration is None:
         note = ("This drafter has no calibration.json, so the confidence scheduler is unavailable; "
                 f"verification defaults to **{mode0}**.")
-    info = (f"Target **{html.escape(_name(target))}** · drafter **{html.escape(str(drafter.name_or_path or 'in-memory'))}**"
+    drafter_name = html.escape(str(drafter.name_or_path or "in-memory"))
+    info = (f"Target **{html.escape(_name(target))}** · drafter **{drafter_name}**"
             f" (γ={drafter.config.block_size}, {drafter.config.sequential_head} head,"
             f" calibration: {'yes' if drafter.calibration is not None else 'no'})")
+
+    plot_title = ("calibrated confidence" if drafter.calibration is not None else "raw confidence") + \
+        " vs acceptance per draft position (rounds reaching k)"
 
     def run(prompt, max_new, temperature, gamma, mode, threshold, side_by_side, show_drafts):
         """Stream (output, output with ghosts, baseline, stats, plot, status) while generating."""
@@ -502,7 +517,8 @@ def build_app(target, tokenizer, drafter, *, title: str = "DSpark speculative de
         idle = '<div class="dspark-tokens"><i>side-by-side is off</i></div>'
 
         def frame(result, base, plot, status):
-            shown, full = (result.render(show_drafts), result.render(True)) if result else ("", "")
+            full = result.render(True) if result is not None else ""
+            shown = show_ghosts(full, show_drafts)
             base_html = base.render() if base is not None else ("" if side_by_side else idle)
             return shown, full, base_html, stats_html(result, base, greedy), plot, status
 
@@ -550,14 +566,16 @@ def build_app(target, tokenizer, drafter, *, title: str = "DSpark speculative de
                 with gr.Row():
                     go = gr.Button("Generate", variant="primary", elem_id="dspark-run")
                     halt_btn = gr.Button("Stop", elem_id="dspark-stop")
-                max_new = gr.Slider(1, 1024, value=max_new_tokens, step=1, label="max new tokens")
-                temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)")
+                max_new = gr.Slider(1, 1024, value=max_new_tokens, step=1, label="max new tokens", elem_id="dspark-max-new")
+                temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)",
+                                        elem_id="dspark-temperature")
                 gamma = gr.Slider(1, MAX_BLOCK_SIZE, value=drafter.config.block_size, step=1,
-                                  label="γ (dspark_block_size): drafts per round")
+                                  label="γ (dspark_block_size): drafts per round", elem_id="dspark-gamma")
                 mode = gr.Radio(list(VERIFICATION_MODES), value=mode0, label="verification (dspark_verification)",
                                 info="available with this drafter: " + ", ".join(modes), elem_id="dspark-mode")
                 threshold = gr.Slider(0.0, 1.0, value=drafter.config.confidence_threshold, step=0.01,
-                                      label="threshold (threshold mode: verify while c_k ≥ threshold)")
+                                      label="threshold (threshold mode: verify while c_k ≥ threshold)",
+                                      elem_id="dspark-threshold")
                 side = gr.Checkbox(value=False, label="side by side: also run plain generate (speedup)",
                                    elem_id="dspark-side")
                 ghosts = gr.Checkbox(value=True, label="show rejected and unverified drafts", elem_id="dspark-ghosts")
@@ -576,8 +594,10 @@ def build_app(target, tokenizer, drafter, *, title: str = "DSpark speculative de
                         gr.Markdown("**plain `generate`** (side by side)")
                         baseline = gr.HTML("", elem_id="dspark-baseline")
                 plot = gr.LinePlot(_plot_frame([]), x="position", y="value", color="series", y_lim=[0, 1],
+                                   color_map=PLOT_COLORS,  # fixes the colour domain (the first frame is empty)
+                                   sort=POSITION_ORDER,
                                    x_title="draft position k", y_title="probability",
-                                   title="confidence vs acceptance per draft position", elem_id="dspark-plot",
+                                   title=plot_title, elem_id="dspark-plot",
                                    height=260)
         state = gr.State(None)
         outputs = [output, state, baseline, stats, plot, status]
@@ -590,11 +610,17 @@ def build_app(target, tokenizer, drafter, *, title: str = "DSpark speculative de
 
 
 def _plot_frame(rows: list[dict]):
+    """``rows`` of :func:`confidence_curve` as the LinePlot's DataFrame.
+
+    The browser builds the chart's axis types and colour domain from the FIRST value only (later values
+    replace the data), so the empty frame has numeric dtypes and one null point per series.
+    """
     import pandas as pd
 
+    rows = rows or [dict(position=1, value=float("nan"), series=name, rounds=0) for name in PLOT_COLORS]
     frame = pd.DataFrame(rows, columns=["position", "value", "series", "rounds"])
-    # explicit dtypes: an empty frame would be typed "nominal" and the browser keeps the first axis types
-    return frame.astype({"position": "int64", "value": "float64", "series": "str", "rounds": "int64"})
+    frame = frame.astype({"position": "str", "value": "float64", "series": "str", "rounds": "int64"})
+    return frame  # positions are categories ("1".."16", ordered by POSITION_ORDER): integer ticks only
 
 
 def launch(target=None, tokenizer=None, drafter=None, *, port: int | None = None, share: bool = False,
@@ -619,11 +645,14 @@ def launch(target=None, tokenizer=None, drafter=None, *, port: int | None = None
         target, tokenizer = load_target(target)
     elif tokenizer is None:
         raise ValueError("launch(target=<model>) needs its tokenizer too.")
-    if drafter is None or isinstance(drafter, (str, os.PathLike)):
+    if drafter is None:
         from .cli import DEFAULT_DRAFTER
 
-        path = drafter or DEFAULT_DRAFTER
-        drafter = DSparkDrafter.from_pretrained(path)
+        if not DEFAULT_DRAFTER.is_dir():
+            raise FileNotFoundError(f"No drafter at {DEFAULT_DRAFTER}; pass drafter=<folder, Hub id or DSparkDrafter>.")
+        drafter = DEFAULT_DRAFTER
+    if isinstance(drafter, (str, os.PathLike)):
+        drafter = DSparkDrafter.from_pretrained(drafter)
     if port is None and os.environ.get("GRADIO_SERVER_PORT"):
         port = int(os.environ["GRADIO_SERVER_PORT"])
     app = build_app(target, tokenizer, drafter, **app_kwargs)
@@ -634,7 +663,8 @@ def launch(target=None, tokenizer=None, drafter=None, *, port: int | None = None
 
 
 # ---------------------------------------------------------------------------------------- cli
-def _flag(text: str) -> bool:
+def boolean(text: str) -> bool:
+    """``true``/``false`` (also 1/0, yes/no, on/off) for ``--share``."""
     value = str(text).strip().lower()
     if value in ("1", "true", "yes", "on"):
         return True
@@ -659,6 +689,6 @@ def add_cli(sub, command):
     """Register this module's `dspark` subcommands (see cli.main)."""
     p = command("demo", cmd_demo, "serve the Gradio demo: live token colouring, stats, side-by-side", drafter=True)
     p.add_argument("--port", type=int, default=None, help="port (default: $GRADIO_SERVER_PORT, else 7860)")
-    p.add_argument("--share", type=_flag, nargs="?", const=True, default=False, metavar="{true,false}",
+    p.add_argument("--share", type=boolean, nargs="?", const=True, default=False, metavar="{true,false}",
                    help="create a public Gradio share link (needs network; default false)")
     p.add_argument("--host", default=None, help="interface to bind (default: $GRADIO_SERVER_NAME, else 127.0.0.1)")

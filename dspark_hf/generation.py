@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import GenerationConfig
 from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerationMixin, GenerationMode
 
 from .model import DSparkDrafter
@@ -58,10 +59,6 @@ class GenerationStats:
     def tau(self) -> float:
         """Mean accepted length per round τ, INCLUDING the bonus token."""
         return sum(r.accepted + 1 for r in self.rounds) / max(len(self.rounds), 1)
-
-    @property
-    def new_tokens(self) -> int:
-        return sum(r.accepted + 1 for r in self.rounds)
 
     def full_rounds(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Rounds that verified their whole block (γ = the call's block size), for calibration.
@@ -107,7 +104,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
     requires_model_outputs = True
 
-    def __init__(self, target, drafter: DSparkDrafter, generation_config, logits_processor, input_ids):
+    def __init__(self, target, drafter: DSparkDrafter, generation_config, logits_processor, input_ids, tokenizer=None):
         if input_ids.shape[0] != 1:
             raise ValueError(
                 f"DSpark speculative decoding supports batch size 1 in `generate` (got {input_ids.shape[0]}); "
@@ -125,6 +122,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
         self.max_length = generation_config.max_length
+        self.stop_strings = (
+            StopStringCriteria(tokenizer, generation_config.stop_strings) if generation_config.stop_strings else None
+        )
         self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in cfg.target_layer_ids]}
         self.context = drafter.new_context()
         self.stats = GenerationStats(verification=self.mode)
@@ -134,6 +134,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
     def _check_mode(self):
         if self.mode not in VERIFICATION_MODES:
             raise ValueError(f"dspark_verification must be one of {VERIFICATION_MODES}, got {self.mode!r}")
+        if self.mode == "threshold" and not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"dspark_threshold must be a probability in [0, 1], got {self.threshold}")
         if self.mode != "fixed" and self.drafter.confidence is None:
             raise ValueError(
                 f"Verification mode {self.mode!r} needs a confidence head, and this drafter has none; "
@@ -144,6 +146,12 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 "The scheduler needs calibrated confidences and this drafter has no calibration.json: run "
                 "`dspark calibrate`, attach one with `drafter.calibration = SequentialTemperatureScaling(...)`, "
                 "or pass dspark_verification='fixed'."
+            )
+        if self.mode == "scheduler" and len(self.drafter.calibration.temperatures) < self.block_size:
+            raise ValueError(
+                f"The calibration covers {len(self.drafter.calibration.temperatures)} positions but "
+                f"dspark_block_size is {self.block_size}: lower dspark_block_size or rerun `dspark calibrate` "
+                "with that block size."
             )
 
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, **kwargs):
@@ -158,7 +166,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         block = self.drafter.draft(
             self.context, int(input_ids[0, -1]), gamma, self.do_sample, self.logits_processor, input_ids
         )
-        length = self._prefix_length(block, gamma)
+        length = self._before_stop_string(input_ids, block.tokens, self._prefix_length(block, gamma))
         self.stats.rounds.append(
             RoundStats(
                 drafted=gamma,
@@ -191,6 +199,21 @@ class DSparkCandidateGenerator(CandidateGenerator):
         confidences = self.drafter.calibration.apply(block.confidences.float())
         return schedule_prefix(confidences, self.sps.steps_per_s[: gamma + 1])
 
+    def _before_stop_string(self, input_ids, drafts, length: int) -> int:
+        """Shorten ℓ so that no draft COMPLETES a stop string.
+
+        transformers checks stop strings only at the end of the sequence after each round; a stop string
+        completed inside an accepted block would be missed. Keeping such a draft out of the verified
+        prefix leaves it to be produced as the round's last (bonus) token, where the check sees it.
+        """
+        if self.stop_strings is None or length == 0:
+            return length
+        candidates = torch.cat([input_ids, drafts[:length][None].to(input_ids.device)], dim=-1)
+        for k in range(1, length + 1):
+            if bool(self.stop_strings(candidates[:, : input_ids.shape[1] + k], None)[0]):
+                return k - 1
+        return length
+
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         """Record the number of accepted drafts and the verify time of the round just verified."""
         if self._verify_start is not None and self.stats.rounds:
@@ -206,18 +229,28 @@ _stock_validate_generation_mode = GenerationMixin._validate_generation_mode
 
 
 def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
-                             assistant_model=None, **kwargs):
+                             assistant_model=None, target_tokenizer=None, **kwargs):
     if isinstance(assistant_model, DSparkDrafter):
-        return DSparkCandidateGenerator(self, assistant_model, generation_config, logits_processor, input_ids)
+        return DSparkCandidateGenerator(
+            self, assistant_model, generation_config, logits_processor, input_ids, target_tokenizer
+        )
     return _stock_get_candidate_generator(
         self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
-        assistant_model=assistant_model, **kwargs,
+        assistant_model=assistant_model, target_tokenizer=target_tokenizer, **kwargs,
     )
 
 
 def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
-    if isinstance(generation_mode_kwargs.get("assistant_model"), DSparkDrafter):
+    assistant = generation_mode_kwargs.get("assistant_model")
+    if isinstance(assistant, DSparkDrafter):
         _validate_dspark_call(generation_mode, generation_config)
+        assistant.bind(self)  # shape checks with a clear message, before transformers' tokenizer check
+    elif type(assistant).__name__ == DSparkDrafter.__name__:  # the trust_remote_code copy of the class
+        raise ValueError(
+            "This DSpark drafter was loaded through trust_remote_code before `import dspark_hf`, so generate() "
+            "cannot route it. `import dspark_hf` and load it with `dspark_hf.DSparkDrafter.from_pretrained(...)`, "
+            "or use `custom_generate=` with the drafter's repo."
+        )
     return _stock_validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs)
 
 

@@ -59,7 +59,7 @@ class ConfidenceHead(nn.Module):
 
     def __init__(self, hidden: int, rank: int):
         super().__init__()
-        self.proj = nn.Linear(hidden + rank, 1)
+        self.proj = nn.Linear(hidden + rank, 1, bias=False)
 
     def forward(self, hidden: torch.Tensor, prev_embedding: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[..., d]``, ``prev_embedding`` ``[..., r]`` -> confidence LOGITS ``[...]``."""

@@ -51,12 +51,12 @@ class HubTokenError(RuntimeError):
 
 # ------------------------------------------------------------------------------ markdown pieces
 def _fmt(value) -> str:
-    """A cell: floats with 3 significant digits (1 decimal from 100 up), ``None`` as a dash."""
+    """A cell: floats with 3 decimals below 1, 2 below 100, 1 above; ``None`` as a dash."""
     if value is None:
         return "–"
     if isinstance(value, bool) or not isinstance(value, float):
         return str(value)
-    return f"{value:.1f}" if abs(value) >= 100 else f"{value:.3g}"
+    return f"{value:.{3 if abs(value) < 1 else 2 if abs(value) < 100 else 1}f}"
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
@@ -84,8 +84,13 @@ def metric_block(name: str, value) -> str:
     * scalar -> ``**name**: value``;
     * ``{row: scalar}`` -> a two-column table;
     * ``{row: {col: scalar, ...}}`` or ``[{col: scalar, ...}, ...]`` -> one row per entry, one column per
-      (flattened) key; a key missing from a row shows as a dash.
+      (flattened) key; a key missing from a row shows as a dash;
+    * ``{table: {row: {col: ...}}}`` -> one such table per outer key.
     """
+    if isinstance(value, dict) and value and all(
+        isinstance(v, dict) and v and all(isinstance(x, dict) for x in v.values()) for v in value.values()
+    ):  # {table: {row: {col: scalar}}}: one table per outer key
+        return "\n\n".join(f"*{k}*\n\n{metric_block(name, v)}" for k, v in value.items())
     if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
         rows = {str(i + 1): v for i, v in enumerate(value)}
         first = "#"
@@ -100,6 +105,49 @@ def metric_block(name: str, value) -> str:
     return markdown_table([first, *columns], [[k, *(f.get(c) for c in columns)] for k, f in flat.items()])
 
 
+def _is_scalar(value) -> bool:
+    return not isinstance(value, (dict, list))
+
+
+def measured_on_cpu(bench: dict | None) -> bool:
+    """Whether the benchmark machine had no GPU (a ``machine`` dict without ``cuda``, or a string saying CPU)."""
+    machine = bench_records(bench).get("machine") if bench else None
+    if isinstance(machine, dict):
+        return not machine.get("cuda") and not machine.get("gpu")
+    text = str(machine or "").lower()
+    return "cpu" in text and not any(word in text for word in ("gpu", "cuda", "nvidia"))
+
+
+def bench_records(result: dict) -> dict:
+    """The card-sized view of a ``dspark bench`` result (``benchmarks.json``, ``schema_version`` 1).
+
+    Keeps τ (fixed-length verification, per decoding setting: drafter x suite), the wall-clock speedup
+    and tokens/s (median per suite: method x suite), the greedy mismatch count against plain
+    ``generate``, the run settings and the machine; drops per-prompt rows, plots and curves. A dict
+    that is not a ``dspark bench`` result is returned unchanged.
+    """
+    if "schema_version" not in result or "wall_clock" not in result:
+        return result
+    machine = dict(result.get("machine") or {})
+    date, command = machine.pop("date", None), machine.pop("command", None)
+    wall = result["wall_clock"].get("suites") or {}
+
+    def per_method(key):
+        table = {}
+        for suite, methods in wall.items():
+            for method, row in methods.items():
+                table.setdefault(method, {})[suite] = row.get(key)
+        return table
+
+    out = {"tau": result.get("tau"), "speedup": per_method("median_speedup"),
+           "tokens per second (median)": per_method("median_tokens_per_s"),
+           "τ ratio DSpark / DFlash (greedy, macro)": result.get("tau_ratio_dspark_over_dflash"),
+           "greedy outputs that differ from plain generate": result["wall_clock"].get("mismatches_total"),
+           "settings": {k: v for k, v in (result.get("settings") or {}).items() if not isinstance(v, (dict, list))},
+           "machine": machine, "date": date, "command": command}
+    return {k: v for k, v in out.items() if v not in (None, {}, [])}
+
+
 def speed_section(bench: dict | None) -> str:
     """The "Speed" section: τ, speedup and any other metric in ``bench``, and where they were measured.
 
@@ -107,14 +155,16 @@ def speed_section(bench: dict | None) -> str:
     ``command`` describe the run, every other key is a metric rendered by :func:`metric_block`.
     Metrics that are absent read "Not measured yet"; nothing is filled in.
     """
+    bench = bench_records(bench) if bench else bench
     if not bench:
-        return (f"{NOT_MEASURED} Run the benchmarks and render the card with "
-                "`dspark card DIR --bench RESULTS.json`.")
+        return (f"{NOT_MEASURED} Run `dspark bench --out docs`, then "
+                "`dspark card DIR --bench docs/benchmarks.json`.")
     parts = []
     for key, title in BENCH_TITLES.items():
         parts.append(f"**{title}**\n\n" + (metric_block(key, bench[key]) if key in bench else NOT_MEASURED))
     others = [k for k in bench if k not in BENCH_TITLES and k not in BENCH_META]
-    parts += [f"**{k}**\n\n{metric_block(k, bench[k])}" for k in others]
+    parts += [metric_block(k, bench[k]) if _is_scalar(bench[k]) else f"**{k}**\n\n{metric_block(k, bench[k])}"
+              for k in others]
     meta = []
     machine = bench.get("machine")
     if isinstance(machine, dict):
@@ -167,7 +217,8 @@ def training_section(training: dict | None) -> str:
     text = data + (f" ({size})." if size else "")
     text += f"\n\n{_fmt(training.get('steps'))} optimizer steps in {_fmt(training.get('minutes'))} minutes."
     command = training.get("command") or "dspark train --config CONFIG.yaml"
-    text += f"\n\n```bash\n{command}\n```\n\nwith this configuration:\n\n```yaml\n{yaml.safe_dump(cfg, sort_keys=False).strip()}\n```"
+    config_yaml = yaml.safe_dump(cfg, sort_keys=False).strip()
+    text += f"\n\n```bash\n{command}\n```\n\nwith this configuration:\n\n```yaml\n{config_yaml}\n```"
     validation = training.get("validation")
     if validation:
         scalars = {k: v for k, v in validation.items() if not isinstance(v, (list, dict))}
@@ -204,8 +255,9 @@ def limitations_section(config, calibration: dict | None, bench: dict | None) ->
         "Batch size 1 in `generate` (one prompt per call); greedy decoding or sampling, no beam search, "
         "`num_return_sequences` = 1.",
         "Speedups are measured on the machine named under Speed"
-        + (" (a CPU: verification cost grows quickly with the number of tokens, which keeps γ short)"
-           if bench and "cpu" in json.dumps(bench.get("machine", "")).lower() else "")
+        + (" (a CPU, whose cost of verifying k tokens at once grows differently from a GPU's, so the numbers "
+              "do not carry over)"
+           if measured_on_cpu(bench) else "")
         + "; other hardware gives other numbers. Losslessness does not depend on it.",
         "Trained on ShareGPT chat prompts only; acceptance on other kinds of text is known only where Speed lists it.",
     ]
@@ -260,6 +312,15 @@ def build_card(config, repo: str, bench: dict | None = None, training: dict | No
         training=training_section(training),
         limitations=limitations_section(config, calibration, bench),
     )
+
+
+def _check_repo_id(repo_id: str) -> None:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise ValueError(f"{repo_id!r} is not a Hub repo id (ORG/NAME): {err}") from err
 
 
 def _read_json(path: Path) -> dict | None:
@@ -337,8 +398,11 @@ def write_card(model_dir: str | Path, bench: dict | str | Path | None = None, re
     from .config import DSparkConfig
 
     model_dir = Path(model_dir)
+    if repo_id is not None:
+        _check_repo_id(repo_id)
     if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{model_dir} has no config.json: pass a folder written by DSparkDrafter.save_pretrained.")
+        raise FileNotFoundError(f"{model_dir} has no config.json: pass a folder written by "
+                                "DSparkDrafter.save_pretrained.")
     if bench is not None and not isinstance(bench, dict):
         if not Path(bench).is_file():
             raise FileNotFoundError(f"Benchmark results {bench} not found.")
@@ -367,11 +431,12 @@ REQUIRED_FILES = ("README.md", "config.json", "model.safetensors", "custom_gener
 
 def check_card_folder(model_dir: str | Path, repo_id: str) -> None:
     """Raise unless ``model_dir`` is a complete drafter repo whose card was written for ``repo_id``."""
+    _check_repo_id(repo_id)
     model_dir = Path(model_dir)
     missing = [f for f in REQUIRED_FILES if not (model_dir / f).is_file()]
     if missing:
-        raise FileNotFoundError(f"{model_dir} lacks {', '.join(missing)}: run `dspark card {model_dir} --repo-id {repo_id}` "
-                                "on a saved drafter first.")
+        raise FileNotFoundError(f"{model_dir} lacks {', '.join(missing)}: run "
+                                f"`dspark card {model_dir} --repo-id {repo_id}` on a saved drafter first.")
     config = json.loads((model_dir / "config.json").read_text())
     _check_modeling_code(model_dir, config)
     if config.get("verification", "scheduler") == "scheduler" and not (model_dir / CALIBRATION_FILE).is_file():
@@ -414,13 +479,17 @@ def push(model_dir: str | Path, repo_id: str, private: bool = False, token: str 
 # ------------------------------------------------------------------------------------------ cli
 def cmd_card(args):
     bench = args.bench if args.bench is not None else (DEFAULT_BENCH if DEFAULT_BENCH.is_file() else None)
-    print(f"wrote {write_card(args.model_dir, bench=bench, repo_id=args.repo_id)}")
+    try:
+        readme = write_card(args.model_dir, bench=bench, repo_id=args.repo_id)
+    except (FileNotFoundError, ValueError) as err:  # a folder or record that is not ready: say what to run
+        sys.exit(str(err))
+    print(f"wrote {readme}")
 
 
 def cmd_push(args):
     try:
         info = push(args.model_dir, args.repo_id, private=args.private)
-    except HubTokenError as err:
+    except (HubTokenError, FileNotFoundError, ValueError) as err:
         sys.exit(str(err))
     print(f"pushed {args.model_dir} to {getattr(info, 'commit_url', None) or args.repo_id}")
 
@@ -429,10 +498,13 @@ def add_cli(sub, command):
     """Register this module's `dspark` subcommands (see cli.main)."""
     p = command("card", cmd_card, "write the model card (README.md) and custom_generate/ into a drafter folder")
     p.add_argument("model_dir")
-    p.add_argument("--bench", default=None, help=f"benchmark results JSON (default {DEFAULT_BENCH.name} in docs/ when present)")
-    p.add_argument("--repo-id", default=None, help="Hub id the folder will be pushed to (default: the one it was written for)")
+    p.add_argument("--bench", default=None,
+                   help="benchmark results JSON, e.g. from `dspark bench` (default: docs/benchmarks.json when present)")
+    p.add_argument("--repo-id", default=None,
+                   help="Hub id the folder will be pushed to (default: the one the card was last written for)")
 
     p = command("push", cmd_push, "upload a drafter folder (with its card) to the Hugging Face Hub")
     p.add_argument("model_dir")
     p.add_argument("--repo-id", required=True, help="ORG/NAME")
-    p.add_argument("--private", action="store_true", help="create the repo private (an existing repo keeps its visibility)")
+    p.add_argument("--private", action="store_true",
+                   help="create the repo private (an existing repo keeps its visibility)")

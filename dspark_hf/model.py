@@ -140,7 +140,8 @@ class DraftBlock:
     Attributes:
         tokens: ``[γ]`` target-vocabulary ids, sampled left to right from ``logits``.
         logits: ``[γ, V]`` full-vocabulary draft logits after the logits processors (``-inf`` outside
-            the draft vocabulary); sampling drew each token from ``softmax(logits[k])``.
+            the draft vocabulary); sampling drew each token from ``softmax(logits[k])``. ``None`` for
+            greedy drafting without logits processors (the argmax is taken in the draft vocabulary).
         confidences: ``[γ]`` raw conditional survival probabilities c_k (eq. 7), or ``None``.
     """
 
@@ -411,6 +412,8 @@ class DSparkDrafter(PreTrainedModel):
         base = self.base_logits(hidden)  # [γ, V']
         state = self.sequential.initial_state(hidden[0]) if isinstance(self.sequential, RNNHead) else None
         ids = prefix_ids if prefix_ids is not None else anchor_t[None]
+        processors = logits_processor if logits_processor is not None and len(logits_processor) > 0 else None
+        full_vocab = do_sample or processors is not None
         prev, tokens, logits, confs = anchor_t[0], [], [], []
         for k in range(gamma):
             emb = self.token_embedding(prev) if self.token_table is not None else None
@@ -420,22 +423,23 @@ class DSparkDrafter(PreTrainedModel):
             elif isinstance(self.sequential, RNNHead):
                 state, bias = self.sequential(state, emb, hidden[k])
                 row = row + bias
-            full = row.new_full((self.config.vocab_size,), float("-inf"))
-            full[self.draft_vocab] = row
-            if logits_processor is not None and len(logits_processor) > 0:
-                full = logits_processor(ids, full[None].float())[0]
-            if do_sample:
-                prev = torch.multinomial(full.float().softmax(-1), 1, generator=generator)[0]
+            if full_vocab:
+                full = row.new_full((self.config.vocab_size,), float("-inf"))
+                full[self.draft_vocab] = row
+                if processors is not None:
+                    full = processors(ids, full[None].float())[0]
+                prev = torch.multinomial(full.float().softmax(-1), 1, generator=generator)[0] if do_sample else full.argmax()
+                logits.append(full)
             else:
-                prev = full.argmax()
+                prev = self.draft_vocab[row.argmax()]
             if self.confidence is not None:
                 confs.append(torch.sigmoid(self.confidence(hidden[k], emb)))
             tokens.append(prev)
-            logits.append(full)
-            ids = torch.cat([ids, prev.view(1, 1)], dim=-1)
+            if processors is not None:
+                ids = torch.cat([ids, prev.view(1, 1)], dim=-1)
         return DraftBlock(
             tokens=torch.stack(tokens),
-            logits=torch.stack(logits),
+            logits=torch.stack(logits) if logits else None,
             confidences=torch.stack(confs) if confs else None,
         )
 

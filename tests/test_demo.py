@@ -109,7 +109,7 @@ def cycle_drafter(target, block_size=5) -> DSparkDrafter:
         drafter.sequential.w2.weight.copy_(100.0 * torch.eye(V)[CYCLE_INV])
         drafter.confidence.proj.weight.zero_()
         drafter.confidence.proj.weight[0, D:] = 2.5 * torch.randn(V, generator=g)
-        drafter.confidence.proj.bias.fill_(1.0)
+        drafter.confidence.proj.weight[0, D:] += 1.0  # W1 rows are one-hot: +1 on every logit
     return drafter
 
 
@@ -193,6 +193,23 @@ def test_stream_generation_matches_plain_generate(tiny):
     assert plain.ids == ref and {s.kind for s in plain.spans} == {"plain"}
 
 
+def test_stream_generation_sampling_and_stop(tiny):
+    """Sampling streams every token with its round; a set stop event ends the run after the first step."""
+    import threading
+
+    ids = chat_ids(tiny.tokenizer, "a small bird")
+    run = list(stream_generation(tiny.target, tiny.tokenizer, ids, 16, 0.8, tiny.drafter, interval=0.0,
+                                 dspark_verification="fixed", dspark_block_size=4))[-1]
+    assert run.error is None and run.new_tokens == 16
+    steps = sum(s.kind == TARGET for s in run.spans)  # the prefill step, and maybe a last no-room-to-draft step
+    assert steps in (1, 2) and sum(r.accepted + 1 for r in run.rounds) + steps == 16
+    stop = threading.Event()
+    stop.set()
+    run = list(stream_generation(tiny.target, tiny.tokenizer, ids, 16, 0.0, tiny.drafter, stop, interval=0.0,
+                                 dspark_verification="fixed"))[-1]
+    assert run.error is None and run.new_tokens == 1
+
+
 def test_unavailable_scheduler_is_explained(tiny):
     from dspark_hf.demo import available_modes, check_mode, default_mode
 
@@ -260,9 +277,15 @@ def test_demo_in_headless_browser(tiny):
             page.wait_for_selector("#dspark-output .dspark-tokens.hide-ghosts", timeout=30_000)
             page.locator("#dspark-ghosts input[type=checkbox]").check()
             page.wait_for_selector("#dspark-output .dspark-tokens:not(.hide-ghosts)", timeout=30_000)
+            assert page.locator("#dspark-plot .role-legend").get_attribute("aria-label").endswith(
+                "2 values: acceptance rate, confidence c_k")  # both curves drawn
             time.sleep(0.5)  # let the plot finish drawing for the screenshot
             ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "demo.png"), full_page=True)
+            # no calibration: the scheduler is refused with a clear message, nothing runs
+            page.locator("#dspark-mode input[value=scheduler]").check()
+            page.click("#dspark-run")
+            page.wait_for_selector("#dspark-status:has-text('no calibration.json')", timeout=30_000)
             browser.close()
     finally:
         app.close()

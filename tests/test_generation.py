@@ -6,7 +6,7 @@ deliberately biased drafter (argmax drafts + drafter logits) fails the same chec
 
 Acceptance paths are really exercised: the greedy target is built so that its argmax usually follows a
 fixed cycle ``f`` over the vocabulary (token x -> f(x)) and the "cheating" drafters predict that cycle, so
-blocks are often accepted in part and sometimes in full; the target leaves the cycle ~20 % of the time,
+blocks are often accepted in part and sometimes in full; the target leaves the cycle ~17 % of the time,
 so rejections happen too. Everything is tiny and CPU-only.
 """
 
@@ -15,6 +15,8 @@ import torch
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    LogitsProcessor,
+    LogitsProcessorList,
     PreTrainedTokenizerFast,
     TextIteratorStreamer,
 )
@@ -111,7 +113,7 @@ def cycle_drafter(target, head, beta=100.0, block_size=4, **kwargs) -> DSparkDra
         if drafter.confidence is not None:
             drafter.confidence.proj.weight.zero_()
             drafter.confidence.proj.weight[0, D:] = 2.5 * torch.randn(V, generator=g)
-            drafter.confidence.proj.bias.fill_(1.0)
+            drafter.confidence.proj.weight[0, D:] += 1.0  # W1 rows are one-hot: +1 on every logit (eq. 7 has no bias)
     drafter.calibration = SequentialTemperatureScaling(temperatures=[0.8, 1.0, 1.2, 0.9] * 4)
     drafter.set_sps_curve(sps_curve())
     return drafter
@@ -182,9 +184,8 @@ def check_stats(drafter, out, prompt_len, max_new, gamma, mode, threshold=THRESH
     tail = out.shape[1] - length
     # after the last round only a single no-room-to-draft step (one token left) may remain
     assert tail == 0 or (tail == 1 and length == max_length - 1), (tail, length, max_length)
-    assert stats.new_tokens == sum(r.accepted + 1 for r in stats.rounds)
     if stats.rounds:
-        assert stats.tau == pytest.approx(stats.new_tokens / len(stats.rounds))
+        assert stats.tau == pytest.approx(sum(r.accepted + 1 for r in stats.rounds) / len(stats.rounds))
     assert stats.verification == mode
 
 
@@ -210,7 +211,7 @@ def test_greedy_identical_to_plain_generate(target, drafters, prompts, reference
     seen_lengths[mode] |= lengths
     if mode != "fixed":
         assert {0, 1} <= lengths  # rounds that verify nothing and rounds that verify a prefix both happen
-        assert len(lengths) >= min(gamma + 1, 4), lengths
+        assert len(lengths) >= min(gamma + 1, 3), lengths
 
 
 def test_scheduled_lengths_vary(target, drafters, prompts, seen_lengths):
@@ -365,11 +366,7 @@ def test_text_iterator_streamer(target, drafters, prompts):
     assert len(text) == MAX_NEW
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "library bug: transformers' assisted loop only checks whether the sequence ENDS with a stop string, so a stop "
-    "string completed inside an accepted multi-token block is missed and generation runs on; dspark_hf neither "
-    "trims nor rejects stop_strings (see report)"))
-def test_stop_strings_match_plain_generate_or_are_rejected(target, drafters, prompts, references):
+def test_stop_strings_match_plain_generate(target, drafters, prompts, references):
     tok = char_tokenizer()
     drafter = drafters["markov"]
     for prompt, full in zip(prompts[:6], references[:6]):
@@ -377,11 +374,7 @@ def test_stop_strings_match_plain_generate_or_are_rejected(target, drafters, pro
         stop = tok.decode(full[0, n + 3:n + 5])  # two characters completed at the 5th new token
         ref = target.generate(prompt, max_new_tokens=MAX_NEW, do_sample=False, stop_strings=[stop], tokenizer=tok)
         assert tok.decode(ref[0, n:]).endswith(stop)
-        try:
-            out = generate(target, prompt, drafter, "fixed", 7, stop_strings=[stop], tokenizer=tok)
-        except ValueError as err:  # an up-front rejection naming stop_strings is acceptable too
-            assert "stop_strings" in str(err)
-            continue
+        out = generate(target, prompt, drafter, "fixed", 7, stop_strings=[stop], tokenizer=tok)
         assert_greedy_identical(target, out, ref, f"stop string {stop!r}")
 
 
@@ -467,14 +460,10 @@ def test_drafter_for_other_vocab_raises_at_generate(target, prompts, forward_cal
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16))
     drafter = DSparkDrafter(DSparkConfig.for_target(other, num_context_layers=1, num_hidden_layers=1, sequential_rank=8))
     drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * 16)
-    # transformers' own assistant check fires first today ("different tokenizers"); DSpark's bind says "Vocabulary"
-    _raises_before_compute(forward_calls, "(?i)vocab|tokenizer",
+    _raises_before_compute(forward_calls, "Vocabulary mismatch.*dspark train",
                            lambda: generate(target, prompts[1], drafter, "fixed", 4))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "library bug: the threshold value and the calibration's length are only checked inside the first round, "
-    "after the prefill (see report)"))
 @pytest.mark.parametrize(("mode", "extra"), [("threshold", {"dspark_threshold": 1.5}), ("scheduler", {})])
 def test_bad_threshold_or_short_calibration_raise_before_compute(target, prompts, forward_calls, mode, extra):
     drafter = cycle_drafter(target, "markov")
@@ -514,11 +503,11 @@ def test_plain_assistant_keeps_stock_behaviour(target, prompts, references, monk
 # Generations of 4 new tokens: t1 comes from the prefill, then ONE round drafts γ = 2 (capped by max_length)
 # for t2 and t3 (t4 is a bonus or a later round). Both drafted positions are checked through two 64-cell
 # tables of exact joint laws, (t1, t2) and (t2, t3), computed by enumeration from the target's logits.
-# Bound: Pearson chi-square (cells expecting < 5 pooled), N = 240, p-value > 1e-3 for each table: an exact
+# Bound: Pearson chi-square (cells expecting < 5 pooled), N = 200, p-value > 1e-3 for each table: an exact
 # sampler fails a variant with probability < 2e-3 (seeds are fixed: the outcome is deterministic anyway).
-# The biased drafter must reach p < 1e-6 on one table (its per-draft bias is TV ≈ 0.35; seen: p ~ 1e-13).
+# The biased drafter must reach p < 1e-6 on one table (its per-draft bias is TV ≈ 0.4; seen: p < 1e-20).
 SV = 8  # sampling target vocabulary
-N_SAMPLES = 240
+N_SAMPLES = 200
 P_MIN = 1e-3
 P_BIASED = 1e-6
 
@@ -532,7 +521,7 @@ def sampling_setup():
     target = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         target.lm_head.weight.mul_(0.5)  # target logits of std ~1: a spread, non-uniform p
-    prompt = torch.tensor([[3, 1, 4]])
+    prompt = torch.tensor([[0, 0, 4]])  # a prompt with a spread law of t1 (chosen for test power)
     return target, prompt, exact_laws(target, prompt)
 
 
@@ -549,7 +538,7 @@ def exact_laws(target, prompt):
 
 
 def sampling_drafter(target, draft_vocab=None):
-    """A markov drafter whose q differs from p (TV ≈ 0.35) yet is accepted in ~60 % of rounds.
+    """A markov drafter whose q differs from p (TV ≈ 0.3) yet is accepted in ~70 % of verifying rounds.
 
     q must not be too peaked: with argmax drafts the output puts mass p(d)/q(d) on d = argmax q, which is
     only far from p(d) when q(d) is moderate — that is what makes the biased variant detectable.
@@ -622,8 +611,16 @@ def test_argmax_drafts_with_drafter_logits_fail_the_check(sampling_setup, monkey
     drafter = sampling_drafter(target)
     original = DSparkDrafter.draft
 
-    def argmax_draft(context, anchor, block_size=None, do_sample=False, *args, **kwargs):
-        return original(drafter, context, anchor, block_size, False, *args, **kwargs)
+    class Identity(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            return scores
+
+    def argmax_draft(context, anchor, block_size=None, do_sample=False, logits_processor=None, *args, **kwargs):
+        # a non-empty processor list makes greedy drafting return its full-vocabulary logits
+        processors = LogitsProcessorList([Identity(), *(logits_processor or [])])
+        block = original(drafter, context, anchor, block_size, False, processors, *args, **kwargs)
+        assert block.logits is not None and torch.equal(block.tokens, block.logits.argmax(-1))
+        return block
 
     monkeypatch.setattr(drafter, "draft", argmax_draft)
     tables, accept_rate, _ = sample_tables(target, prompt, drafter, "fixed", N_SAMPLES)

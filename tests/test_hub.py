@@ -103,7 +103,8 @@ def populate_hub_cache(folder: Path, repo_id: str, cache_dir: Path, commit: str 
         return httpx2.Response(200, headers=headers, content=b"" if request.method == "HEAD" else data)
 
     previous = _http._GLOBAL_CLIENT_FACTORY  # no public getter; restored below
-    huggingface_hub.set_client_factory(lambda: httpx2.Client(transport=httpx2.MockTransport(serve), follow_redirects=True))
+    fake_hub = httpx2.MockTransport(serve)
+    huggingface_hub.set_client_factory(lambda: httpx2.Client(transport=fake_hub, follow_redirects=True))
     try:
         for file in sorted(p for p in folder.rglob("*") if p.is_file()):
             huggingface_hub.hf_hub_download(repo_id, file.relative_to(folder).as_posix(), cache_dir=cache_dir)
@@ -155,8 +156,8 @@ def test_card_metadata_and_records(saved):
     assert "| mt-bench | 3.21 | 2.87 |" in text and "| humaneval | 4.02 | – |" in text  # τ: rows x settings
     assert "| humaneval | 1.83 |" in text and BENCH["machine"] in text and BENCH["command"] in text
     report = json.loads((saved / "card" / "calibration.json").read_text())["report"]
-    assert f"{report['mean_ece_before']:.3g} before → {report['mean_ece_after']:.3g} after" in text
-    assert "1200 optimizer steps in 54.2 minutes" in text and "| accept | 0.7 | 0.5 | 0.35 | 0.2 |" in text
+    assert f"{hub._fmt(report['mean_ece_before'])} before → {hub._fmt(report['mean_ece_after'])} after" in text
+    assert "1200 optimizer steps in 54.25 minutes" in text and "| accept | 0.700 | 0.500 | 0.350 | 0.200 |" in text
     assert "Not measured yet" not in text
 
 
@@ -169,16 +170,43 @@ def test_card_without_records_invents_nothing(saved):
     assert not re.search(r"\d", sections["Speed"])
     partial = hub.build_card(config, repo=REPO_ID, bench={"tau": {"mt-bench": 3.0}}).text
     speed = partial.split("## Speed")[1].split("## ")[0]
-    assert "| mt-bench | 3 |" in speed and hub.NOT_MEASURED in speed and "machine not recorded" in speed
+    assert "| mt-bench | 3.00 |" in speed and hub.NOT_MEASURED in speed and "machine not recorded" in speed
 
 
 def test_metric_block_renders_any_flat_or_nested_record():
     assert hub.metric_block("tau", 3.14159) == "**tau**: 3.14"
-    assert hub.metric_block("tau", {"a": 2.5, "b": 123.456}).splitlines()[2:] == ["| a | 2.5 |", "| b | 123.5 |"]
+    assert hub.metric_block("tau", {"a": 2.5, "b": 123.456}).splitlines()[2:] == ["| a | 2.50 |", "| b | 123.5 |"]
     nested = hub.metric_block("tau", {"a": {"x": 1.0, "y": {"z": 2}}, "b": {"x": 3.0}})
-    assert nested.splitlines()[0] == "|  | x | y/z |" and "| b | 3 | – |" in nested
+    assert nested.splitlines()[0] == "|  | x | y/z |" and "| b | 3.00 | – |" in nested
     rows = hub.metric_block("tps", [{"suite": "s1", "v": 1.5}, {"suite": "s2", "v": 2.5}])
-    assert "| 2 | s2 | 2.5 |" in rows
+    assert "| 2 | s2 | 2.50 |" in rows
+    tables = hub.metric_block("tau", {"greedy": {"d1": {"s": 3.0}}, "t1": {"d1": {"s": 2.0}}})
+    assert tables.startswith("*greedy*") and "*t1*" in tables and "| d1 | 2.00 |" in tables
+
+
+def test_dspark_bench_results_are_summarised():
+    """A `dspark bench` result (benchmarks.json, schema 1): τ per setting, speedup per method x suite, machine."""
+    result = {
+        "schema_version": 1,
+        "machine": {"cpu": "Some CPU", "cores": 2, "cuda": None, "torch": "2.13.0", "date": "2026-11-29",
+                    "command": "dspark bench --out docs"},
+        "settings": {"gamma": 7, "max_new_tokens": 128, "thresholds": [0.1]},
+        "suites": {"code": {"n_prompts": 2, "ids": ["a", "b"]}},
+        "tau": {"greedy": {"dspark": {"code": 3.4, "macro": 3.4}, "dflash": {"code": 3.0, "macro": 3.0}}},
+        "tau_ratio_dspark_over_dflash": 1.13,
+        "wall_clock": {"methods": ["plain", "dspark:scheduler"], "mismatches_total": 0, "mismatches": [],
+                       "suites": {"code": {
+                           "plain": {"median_tokens_per_s": 15.0, "median_speedup": 1.0, "per_prompt": [{"id": "a"}]},
+                           "dspark:scheduler": {"median_tokens_per_s": 24.0, "median_speedup": 1.6, "per_prompt": []},
+                       }}},
+        "notes": [], "runtime_s": 100.0,
+    }
+    speed = hub.speed_section(result)
+    assert "*greedy*" in speed and "| dspark | 3.40 | 3.40 |" in speed and "| dflash | 3.00 | 3.00 |" in speed
+    assert "| dspark:scheduler | 1.60 |" in speed and "| dspark:scheduler | 24.00 |" in speed
+    assert "- cpu: Some CPU" in speed and "dspark bench --out docs" in speed and "Date: 2026-11-29" in speed
+    assert "**greedy outputs that differ from plain generate**: 0" in speed and "| gamma | 7 |" in speed
+    assert "per_prompt" not in speed and "runtime_s" not in speed and hub.measured_on_cpu(result)
 
 
 def test_card_rejects_a_target_that_is_not_a_hub_id(saved):
@@ -200,7 +228,8 @@ def test_from_pretrained_by_repo_id_from_the_hf_cache(saved, hub_cache, offline)
 
 
 def _load_recipe(card_dir: Path):
-    spec = importlib.util.spec_from_file_location(f"recipe_{abs(hash(card_dir))}", card_dir / "custom_generate/generate.py")
+    file = card_dir / "custom_generate" / "generate.py"
+    spec = importlib.util.spec_from_file_location(f"recipe_{abs(hash(str(card_dir)))}", file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -209,6 +238,7 @@ def _load_recipe(card_dir: Path):
 def test_custom_generate_called_directly_uses_drafter_repo_and_hub_kwargs(saved, hub_cache, offline):
     """Outside transformers' loader the recipe falls back to DRAFTER_REPO; Hub kwargs load it, not generate."""
     target = LlamaForCausalLM.from_pretrained(saved / "target").eval()
+    target.config._name_or_path = DEFAULT_TARGET_NAME  # the drafter's target (else bind warns)
     ids = torch.randint(1, V, (1, 6), generator=torch.Generator().manual_seed(3))
     plain = target.generate(ids, max_new_tokens=12, do_sample=False)
     recipe = _load_recipe(saved / "card")
@@ -219,7 +249,7 @@ def test_custom_generate_called_directly_uses_drafter_repo_and_hub_kwargs(saved,
     assert key[0] == REPO_ID and drafter.last_stats.rounds
 
 
-def test_custom_generate_without_a_location_asks_for_one(tmp_path, saved):
+def test_custom_generate_without_a_location_asks_for_one(tmp_path):
     hub.write_custom_generate(tmp_path, repo_id=None)
     with pytest.raises(ValueError, match="dspark_drafter="):
         _load_recipe(tmp_path).generate(tiny_target(), torch.ones(1, 3, dtype=torch.long), max_new_tokens=2)

@@ -207,10 +207,11 @@ def test_rnn_update_matches_eq6_by_hand(target):
 def test_confidence_is_sigmoid_of_linear_in_h_and_w1(target, prompt, head):
     drafter = make_drafter(target, head)
     proj = drafter.confidence.proj
-    w, b = proj.weight[0], proj.bias[0]  # eq. 7 has no bias; the implementation adds a scalar one
+    assert proj.bias is None  # eq. 7 has no bias
+    w = proj.weight[0]
     hidden = torch.randn(4, D)
     prev = torch.randint(0, V, (4,))
-    expected_logit = torch.cat([hidden, _w1(drafter, prev)], dim=-1) @ w + b
+    expected_logit = torch.cat([hidden, _w1(drafter, prev)], dim=-1) @ w
     torch.testing.assert_close(drafter.confidence(hidden, drafter.token_embedding(prev)), expected_logit)
     out = drafter.heads(hidden[None], prev[None])
     torch.testing.assert_close(out.confidence_logits[0], expected_logit)
@@ -222,7 +223,7 @@ def test_confidence_is_sigmoid_of_linear_in_h_and_w1(target, prompt, head):
     teacher = torch.cat([torch.tensor([anchor]), block.tokens])[None, None]
     h = drafter(features, torch.tensor([[N_CTX]]), teacher).hidden[0, 0]  # [γ, d]
     prev = teacher[0, 0, :5]
-    manual = torch.sigmoid(torch.cat([h, _w1(drafter, prev)], dim=-1) @ w + b)
+    manual = torch.sigmoid(torch.cat([h, _w1(drafter, prev)], dim=-1) @ w)
     torch.testing.assert_close(block.confidences, manual, rtol=1e-5, atol=1e-6)
 
 
@@ -248,9 +249,12 @@ def test_teacher_forced_forward_reproduces_draft(target, prompt, head, draft_voc
         torch.testing.assert_close(out.logits[0, i], draft_vocab_logits(drafter, block.logits), rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(torch.sigmoid(out.confidence_logits[0, i]), block.confidences, rtol=1e-4, atol=1e-6)
 
-    # greedy drafting is the argmax of the same logits
-    greedy = draft_after(drafter, features, int(prompt[0, n]), gamma, do_sample=False)
-    assert torch.equal(greedy.tokens, greedy.logits.argmax(-1))
+    # greedy drafting takes the argmax of the same logits (teacher-forced on its own tokens)
+    anchor = int(prompt[0, n])
+    greedy = draft_after(drafter, features, anchor, gamma, do_sample=False)
+    teacher = torch.cat([torch.tensor([anchor]), greedy.tokens])[None, None]
+    logits = drafter(features, torch.tensor([[n]]), teacher).logits[0, 0]  # [γ, V']
+    assert torch.equal(greedy.tokens, drafter.draft_vocab[logits.argmax(-1)])
 
 
 @pytest.mark.parametrize("gamma", GAMMAS)
@@ -273,10 +277,11 @@ def test_context_cache_extends_incrementally(target, prompt):
     for lo, hi in [(0, 4), (4, 5), (5, N_CTX)]:
         drafter.extend_context(parts, features[:, lo:hi])
     assert parts.length == whole.length == N_CTX
-    a = drafter.draft(whole, 3, 7)
-    b = drafter.draft(parts, 3, 7)
+    a = drafter.draft(whole, 3, 7, do_sample=True, generator=torch.Generator().manual_seed(0))
+    b = drafter.draft(parts, 3, 7, do_sample=True, generator=torch.Generator().manual_seed(0))
     assert torch.equal(a.tokens, b.tokens)
     torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a.confidences, b.confidences, rtol=1e-5, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------- save / load

@@ -77,7 +77,8 @@ def generate(model, *args, dspark_drafter=None, **kwargs):
     if drafter is None:
         drafter = _calling_repo() or DRAFTER_REPO
     if drafter is None:
-        raise ValueError("Cannot tell which repository this custom_generate came from: pass dspark_drafter=HUB_ID_OR_PATH.")
+        raise ValueError("Cannot tell which repository this custom_generate came from: "
+                         "pass dspark_drafter=HUB_ID_OR_PATH.")
     if isinstance(drafter, (str, os.PathLike)):
         drafter = _drafter(drafter, hub_kwargs)
     # type(model).generate, not model.generate: a target whose own repo overrides `generate` must not loop back here

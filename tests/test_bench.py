@@ -1,0 +1,182 @@
+"""`dspark bench`: the metrics on hand-made round statistics, and a tiny end-to-end run of the runner.
+
+The metric tests use values worked out by hand in the comments. The smoke test runs both passes on a tiny
+random Llama target with three tiny drafters (markov + confidence, rnn + confidence, parallel without
+confidence) on prompts given as raw ids, then writes the JSON, Markdown and PNGs.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
+from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling, SPSCurve
+from dspark_hf import bench
+from dspark_hf.generation import GenerationStats, RoundStats
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls are much slower with 2 threads on a loaded 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------------- metrics
+def test_tau_includes_the_bonus_token():
+    assert bench.tau([0, 3, 7, 2]) == 4.0  # (1 + 4 + 8 + 3) / 4
+    assert bench.tau([]) is None
+
+
+def test_conditional_acceptance():
+    # rounds reaching position k (n >= k): k=0: 5, 1: 4, 2: 3, 3: 2, 4: 2
+    assert bench.conditional_acceptance([0, 1, 4, 2, 4], 4) == pytest.approx([4 / 5, 3 / 4, 2 / 3, 1.0])
+    assert bench.conditional_acceptance([0, 0], 2) == [0.0, None]  # nobody reached position 1
+
+
+def test_threshold_sweep_and_best_threshold():
+    confidences = [[0.9, 0.8, 0.3], [0.5, 0.95, 0.9]]
+    accepted = [2, 3]
+    step_seconds = [0.1, 0.2, 0.2, 0.3]  # a round verifying ℓ drafts
+    rows = bench.threshold_sweep(confidences, accepted, [0.0, 0.6, 0.85], step_seconds)
+    # t = 0: ℓ = [3, 3], kept = [2, 3]
+    assert rows[0]["accepted_per_step"] == pytest.approx(3.5)  # (3 + 4) / 2
+    assert rows[0]["rejected_per_step"] == pytest.approx(0.5)  # (1 + 0) / 2
+    assert rows[0]["verified_per_step"] == pytest.approx(3.0)
+    assert rows[0]["acceptance_rate"] == pytest.approx(7 / 8)  # Σ(kept + 1) / Σ(ℓ + 1)
+    assert rows[0]["draft_acceptance_rate"] == pytest.approx(5 / 6)
+    assert rows[0]["modelled_tokens_per_s"] == pytest.approx(7 / 0.6)
+    # t = 0.6: ℓ = [2, 0] (0.5 < 0.6 stops the second round at once), kept = [2, 0]
+    assert rows[1]["accepted_per_step"] == pytest.approx(2.0)
+    assert rows[1]["rejected_per_step"] == 0.0
+    assert rows[1]["acceptance_rate"] == pytest.approx(1.0)
+    assert rows[1]["modelled_tokens_per_s"] == pytest.approx(4 / 0.3)
+    # t = 0.85: ℓ = [1, 0], kept = [1, 0]
+    assert rows[2]["accepted_per_step"] == pytest.approx(1.5)
+    assert rows[2]["modelled_tokens_per_s"] == pytest.approx(3 / 0.3)
+    assert bench.best_threshold(rows) == 0.6
+    assert bench.threshold_sweep([], [], [0.0])[0]["accepted_per_step"] is None
+
+
+def test_confidence_summary_ece_and_auc():
+    # a_1 = c_1, a_2 = c_1 c_2 = [0.45, 0.45, 0.2, 0.2]; survival labels k=1: [1, 1, 0, 0], k=2: [1, 0, 0, 0]
+    confidences = [[0.9, 0.5], [0.9, 0.5], [0.2, 1.0], [0.2, 1.0]]
+    accepted = [2, 1, 0, 0]
+    summary = bench.confidence_summary(confidences, accepted, SequentialTemperatureScaling([1.0, 1.0]))
+    p1, p2 = summary["positions"]
+    # 15 bins: k=1: bins of 0.9 and 0.2 hold half each: 0.5 |0.9 - 1| + 0.5 |0.2 - 0| = 0.15
+    assert p1["ece_before"] == pytest.approx(0.15)
+    # k=2: 0.5 |0.45 - 0.5| + 0.5 |0.2 - 0| = 0.125
+    assert p2["ece_before"] == pytest.approx(0.125)
+    assert p2["ece_after"] == pytest.approx(0.125)  # identity STS
+    assert summary["mean_ece_before"] == pytest.approx((0.15 + 0.125) / 2)
+    # k=1: all 4 rounds count; positives score 0.9, negatives 0.2 -> AUC 1
+    assert p1["roc_auc"] == pytest.approx(1.0)
+    # k=2: rounds with n >= 1: c_2 = [0.5 (label 1), 0.5 (label 0)] -> a tie -> AUC 0.5
+    assert p2["roc_auc"] == pytest.approx(0.5) and p2["n_conditional"] == 2
+    assert bench.confidence_summary([], [], SequentialTemperatureScaling([1.0])) is None
+
+
+def test_full_rounds_drop_partial_and_last_rounds():
+    stats = GenerationStats(rounds=[
+        RoundStats(drafted=3, scheduled=3, accepted=1, confidences=[0.9, 0.5, 0.1]),
+        RoundStats(drafted=3, scheduled=2, accepted=2, confidences=[0.9, 0.9, 0.1]),  # pruned: not full
+        RoundStats(drafted=3, scheduled=3, accepted=3, confidences=[0.8, 0.8, 0.8]),
+        RoundStats(drafted=3, scheduled=3, accepted=0, confidences=[0.1, 0.1, 0.1]),  # last: dropped
+    ])
+    accepted, confs = bench.full_rounds([stats], 3)
+    assert accepted == [1, 3]
+    assert confs == [[0.9, 0.5, 0.1], [0.8, 0.8, 0.8]]
+
+
+def test_small_helpers(tmp_path):
+    assert bench.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert bench.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert bench.first_divergence([1, 2], [1, 2, 3]) == 2
+    assert bench.parse_drafters("a=x, b=/y/z") == {"a": "x", "b": "/y/z"}
+    with pytest.raises(ValueError):
+        bench.parse_drafters("a")
+    assert bench.is_math_problem("What's the square root of pi")
+    assert bench.is_math_problem("Solve for x: 3x + 2 = 11")
+    assert not bench.is_math_problem("Tell me how to write a marketing strategy for 2023/24")
+    assert not bench.is_math_problem("Write a python function that adds 2 + 2")
+    file = tmp_path / "p.jsonl"
+    file.write_text('{"prompt": "hi"}\n\n{"prompt": "yo", "id": "x"}\n')
+    assert bench.read_prompts_file(file) == [("1", "hi"), ("x", "yo")]
+
+
+# ------------------------------------------------------------------------------------- smoke run
+V, D = 96, 64
+
+
+def tiny_target():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, max_position_embeddings=512, eos_token_id=None,
+                         pad_token_id=0, bos_token_id=None, tie_word_embeddings=False)
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_drafter(target, head, confidence):
+    torch.manual_seed({"markov": 1, "rnn": 2, "none": 3}[head])
+    config = DSparkConfig.for_target(target, target_layer_ids=[0, 1], num_hidden_layers=1, sequential_head=head,
+                                     sequential_rank=16, block_size=3, confidence_head=confidence)
+    drafter = DSparkDrafter(config).bind(target).eval()
+    if confidence:
+        drafter.calibration = SequentialTemperatureScaling(temperatures=[0.9, 1.1, 1.0])
+    return drafter
+
+
+def test_runner_end_to_end(tmp_path):
+    target = tiny_target()
+    drafters = {
+        "dspark": tiny_drafter(target, "markov", True),
+        "dspark-rnn": tiny_drafter(target, "rnn", True),
+        "dflash": tiny_drafter(target, "none", False),
+    }
+    g = torch.Generator().manual_seed(5)
+    suites = {
+        "a": [("a0", torch.randint(1, V, (6,), generator=g).tolist()), ("a1", torch.randint(1, V, (9,), generator=g).tolist())],
+        "b": [("b0", [5, 6, 7, 5, 6, 7, 5, 6])],  # repetitive: prompt lookup finds matches
+    }
+    settings = bench.BenchSettings(gamma=3, max_new_tokens=12, limit=2, warmup_tokens=3)
+    sps = SPSCurve(steps_per_s=[1000.0 / m for m in [65, 109, 110, 115, 120, 126, 130, 135]], target_name="tiny",
+                   device_name="cpu", dtype="float32", torch_version=torch.__version__, context_len=0, n_params=0)
+    result, raw = bench.run_bench(target, drafters, suites, settings, sps=sps, command="pytest", log=lambda *a: None)
+
+    for key in ("machine", "settings", "suites", "drafters", "tau", "tau_ratio_dspark_over_dflash", "tau_ratios",
+                "conditional_acceptance", "confidence", "wall_clock", "builtin_dflash", "sps", "round_cost", "notes"):
+        assert key in result, key
+    taus = result["tau"]["greedy"]["dspark"]
+    assert taus["macro"] == pytest.approx((taus["a"] + taus["b"]) / 2)
+    assert result["tau_ratio_dspark_over_dflash"] == pytest.approx(taus["macro"] / result["tau"]["greedy"]["dflash"]["macro"])
+    assert set(result["tau_ratios"]) == {"greedy", "t1"}
+    assert len(result["conditional_acceptance"]["t1"]["a"]["dflash"]) == 3
+    assert set(result["confidence"]) == {"dspark", "dspark-rnn"}  # the parallel drafter has no confidence head
+    assert len(result["confidence"]["dspark"]["suites"]["all"]["threshold_sweep"]) == 10
+    wall = result["wall_clock"]
+    assert wall["methods"][:3] == ["plain", "prompt-lookup", "dflash:builtin-dflash"]
+    assert {"dspark:fixed", "dspark:scheduler", "dspark-rnn:scheduler", "dflash:fixed"} <= set(wall["methods"])
+    assert ("dspark:threshold" in wall["methods"]) == (result["confidence"]["dspark"]["best_threshold"] is not None)
+    assert wall["mismatches_total"] == 0, wall["mismatches"]  # greedy speculative output == plain generate
+    assert result["builtin_dflash"]["status"] == "adapted"
+    # full draft vocabulary: the built-in path drafts what the drafter's own fixed path drafts
+    for suite in suites:
+        builtin = wall["suites"][suite]["dflash:builtin-dflash"]["per_prompt"]
+        own = wall["suites"][suite]["dflash:fixed"]["per_prompt"]
+        assert [r["rounds"] for r in builtin] == [r["rounds"] for r in own]
+    assert result["round_cost"]["dspark:fixed"]["median_draft_ms"] > 0
+
+    path = bench.write_report(result, raw, tmp_path, drafters)
+    loaded = json.loads(path.read_text())
+    assert loaded["wall_clock"]["mismatches_total"] == 0
+    assert (tmp_path / "benchmarks.md").read_text().startswith("# dspark bench")
+    for name in ("conditional_acceptance_a.png", "conditional_acceptance_b.png", "threshold_sweep_dspark.png",
+                 "sps_curve.png", "wall_clock_speedup.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert all(not (isinstance(v, float) and math.isnan(v)) for v in result["tau"]["t1"]["dflash"].values())
