@@ -113,7 +113,7 @@ def cmd_train(args):
                  max_new_tokens=cfg.max_new_tokens)
     if args.prepare_only:
         return
-    print(f"drafter saved to {train(target, cfg)}")
+    print(f"drafter saved to {train(target, cfg, command=f'dspark train --config {args.config}')}")
 
 
 def cmd_calibrate(args):

@@ -62,6 +62,7 @@ class TrainConfig:
     eval_every: int = 250
     save_every: int = 250
     val_sequences: int = 32
+    threads: int | None = None  # torch CPU threads (None: torch's default)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "TrainConfig":
@@ -227,14 +228,16 @@ def build_drafter(target, cfg: TrainConfig, train_rows) -> DSparkDrafter:
     return drafter.bind(target)
 
 
-def _lr_lambda(cfg: TrainConfig):
-    def schedule(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+def learning_rate(cfg: TrainConfig, step: int, elapsed_s: float) -> float:
+    """Linear warmup, then cosine decay to ``min_lr_ratio * lr`` over the budget.
 
-    return schedule
+    Progress is the larger of ``step / steps`` and ``elapsed / max_minutes``, so a run stopped by its
+    wall-clock budget still finishes its schedule.
+    """
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, max(step / cfg.steps, elapsed_s / (60 * cfg.max_minutes)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def train_step(drafter, batch, weights, loss_weights):
@@ -264,12 +267,15 @@ def evaluate(drafter, batches, weights, loss_weights) -> dict:
     return {**{k: v / len(batches) for k, v in sums.items()}, "accept": accept.tolist(), "tau": expected_tau(accept)}
 
 
-def train(target, cfg: TrainConfig, progress: bool = True) -> Path:
+def train(target, cfg: TrainConfig, progress: bool = True, command: str | None = None) -> Path:
     """Train a drafter for ``target`` on ``cfg.data_dir``; checkpoints and resumes in ``cfg.out_dir``.
 
     Returns the folder of the final drafter (``out_dir/final``), loadable with
-    ``DSparkDrafter.from_pretrained``. A ``log.jsonl`` records training and validation metrics.
+    ``DSparkDrafter.from_pretrained``. A ``log.jsonl`` records training and validation metrics;
+    ``final/training.json`` the budget used, the config, the final validation and ``command``.
     """
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_config.yaml").write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
@@ -284,12 +290,10 @@ def train(target, cfg: TrainConfig, progress: bool = True) -> Path:
     drafter.train()
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
     step, elapsed = 0, 0.0
     if (ckpt / "state.pt").is_file():
         state = torch.load(ckpt / "state.pt", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
         generator.set_state(state["generator"])
         step, elapsed = state["step"], state["elapsed"]
     batcher = FeatureBatcher(train_rows, drafter, cfg.block_size, generator)
@@ -302,38 +306,39 @@ def train(target, cfg: TrainConfig, progress: bool = True) -> Path:
     bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=not progress)
     start = time.perf_counter() - elapsed
     while step < cfg.steps and (time.perf_counter() - start) < 60 * cfg.max_minutes:
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(cfg, step, time.perf_counter() - start)
         loss, parts = train_step(drafter, batcher.sample(cfg.sequences_per_step, cfg.anchors_per_sequence), weights, cfg.loss_weights)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         optimizer.step()
-        scheduler.step()
         step += 1
         bar.update(1)
         bar.set_postfix({k: f"{float(v):.3f}" for k, v in parts.items() if k != "accept"} | {"tau": f"{expected_tau(parts['accept']):.2f}"})
-        record = {"step": step, "time_s": time.perf_counter() - start, "loss": float(loss.detach()), "lr": scheduler.get_last_lr()[0]}
+        record = {"step": step, "time_s": time.perf_counter() - start, "loss": float(loss.detach()), "lr": optimizer.param_groups[0]["lr"]}
         record |= {k: float(v) for k, v in parts.items() if k != "accept"} | {"tau_est": expected_tau(parts["accept"])}
         if step % cfg.eval_every == 0 or step == cfg.steps:
             record["validation"] = evaluate(drafter, val_batches, weights, cfg.loss_weights)
         log.write(json.dumps(record) + "\n")
         log.flush()
         if step % cfg.save_every == 0:
-            _save_checkpoint(drafter, optimizer, scheduler, generator, step, time.perf_counter() - start, ckpt)
+            _save_checkpoint(drafter, optimizer, generator, step, time.perf_counter() - start, ckpt)
     bar.close()
     final = out / "final"
     drafter.save_pretrained(final)
     (final / "training.json").write_text(
-        json.dumps({"steps": step, "minutes": (time.perf_counter() - start) / 60, "config": asdict(cfg),
+        json.dumps({"command": command, "steps": step, "minutes": (time.perf_counter() - start) / 60, "config": asdict(cfg),
                     "validation": evaluate(drafter, val_batches, weights, cfg.loss_weights)}, indent=2)
     )
     return final
 
 
-def _save_checkpoint(drafter, optimizer, scheduler, generator, step, elapsed, ckpt: Path):
+def _save_checkpoint(drafter, optimizer, generator, step, elapsed, ckpt: Path):
     tmp = ckpt.with_name("checkpoint.partial")
     drafter.save_pretrained(tmp)
     torch.save(
-        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+        {"optimizer": optimizer.state_dict(),
          "generator": generator.get_state(), "step": step, "elapsed": elapsed},
         tmp / "state.pt",
     )
