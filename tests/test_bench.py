@@ -10,21 +10,15 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
-from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling, SPSCurve
+from conftest import CPU_MS, tiny_llama, tiny_sps_curve
+from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling
 from dspark_hf import bench
 from dspark_hf.generation import GenerationStats, RoundStats
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls are much slower with 2 threads on a loaded 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------------------------- metrics
@@ -114,14 +108,6 @@ def test_small_helpers(tmp_path):
 V, D = 96, 64
 
 
-def tiny_target():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, max_position_embeddings=512, eos_token_id=None,
-                         pad_token_id=0, bos_token_id=None, tie_word_embeddings=False)
-    return LlamaForCausalLM(config).eval()
-
-
 def tiny_drafter(target, head, confidence):
     torch.manual_seed({"markov": 1, "rnn": 2, "none": 3}[head])
     config = DSparkConfig.for_target(target, target_layer_ids=[0, 1], num_hidden_layers=1, sequential_head=head,
@@ -133,7 +119,7 @@ def tiny_drafter(target, head, confidence):
 
 
 def test_runner_end_to_end(tmp_path):
-    target = tiny_target()
+    target = tiny_llama(V, D, 2, intermediate_size=96, head_dim=16, max_position_embeddings=512)
     drafters = {
         "dspark": tiny_drafter(target, "markov", True),
         "dspark-rnn": tiny_drafter(target, "rnn", True),
@@ -145,8 +131,7 @@ def test_runner_end_to_end(tmp_path):
         "b": [("b0", [5, 6, 7, 5, 6, 7, 5, 6])],  # repetitive: prompt lookup finds matches
     }
     settings = bench.BenchSettings(gamma=3, max_new_tokens=12, limit=2, warmup_tokens=3)
-    sps = SPSCurve(steps_per_s=[1000.0 / m for m in [65, 109, 110, 115, 120, 126, 130, 135]], target_name="tiny",
-                   device_name="cpu", dtype="float32", torch_version=torch.__version__, context_len=0, n_params=0)
+    sps = tiny_sps_curve(CPU_MS[:8])  # the CPU-like cost of verify steps of 1..8 tokens
     result, raw = bench.run_bench(target, drafters, suites, settings, sps=sps, command="pytest", log=lambda *a: None)
 
     for key in ("machine", "settings", "suites", "drafters", "tau", "tau_ratio_dspark_over_dflash", "tau_ratios",

@@ -17,10 +17,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
-from dspark_hf import DSparkConfig, DSparkDrafter
+from conftest import CYCLE_VOCAB, cycle_drafter, cycle_target
 from dspark_hf.data import chat_ids
 from dspark_hf.demo import (
     BONUS,
@@ -43,18 +43,9 @@ WORDS = ("<unk> the a sea sky cat dog runs jumps over under blue green red small
          "river mountain forest city night day sun moon star wind rain snow fire stone tree bird fish song "
          "light shadow dream road home far near old new warm cold deep high low soft loud calm wild gold "
          "silver glass paper iron cloud storm wave").split()
-V = len(WORDS)
-assert V == 64
-D = 64
+assert len(WORDS) == CYCLE_VOCAB
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls are much slower with 2 threads on a loaded 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------------ fixtures
@@ -68,55 +59,12 @@ def word_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-_g = torch.Generator().manual_seed(0)
-_ORDER = torch.randperm(V, generator=_g)
-CYCLE = torch.empty(V, dtype=torch.long)
-CYCLE[_ORDER] = _ORDER.roll(-1)  # x -> f(x): one cycle through the vocabulary
-CYCLE_INV = torch.argsort(CYCLE)
-
-
-def cycle_target(alpha=0.02, scale=3.0) -> LlamaForCausalLM:
-    """Llama whose greedy next token is usually ``CYCLE[last token]`` (leaves the cycle ~20 % of the time)."""
-    torch.manual_seed(1)
-    config = LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=None,
-                         pad_token_id=0, bos_token_id=None, initializer_range=0.3, tie_word_embeddings=False)
-    target = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        q, _ = torch.linalg.qr(torch.randn(D, D, generator=torch.Generator().manual_seed(2)))
-        target.model.embed_tokens.weight.copy_(q[:V])
-        target.lm_head.weight.copy_(scale * q[:V][CYCLE_INV])
-        for layer in target.model.layers:
-            layer.self_attn.o_proj.weight.mul_(alpha)
-            layer.mlp.down_proj.weight.mul_(alpha)
-    target.config._name_or_path = "tiny-cycle-llama"
-    return target
-
-
-def cycle_drafter(target, block_size=5) -> DSparkDrafter:
-    """Markov drafter predicting ``CYCLE`` (W2 = +100 on f(x)); confidences spread by the previous token."""
-    config = DSparkConfig.for_target(target, num_context_layers=1, num_hidden_layers=1, sequential_head="markov",
-                                     sequential_rank=V, block_size=block_size, verification="threshold")
-    torch.manual_seed(3)
-    drafter = DSparkDrafter(config).eval()
-    g = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        drafter.token_table.weight.zero_()
-        drafter.token_table.weight[:V] = torch.eye(V)
-        for layer in drafter.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        drafter.sequential.w2.weight.copy_(100.0 * torch.eye(V)[CYCLE_INV])
-        drafter.confidence.proj.weight.zero_()
-        drafter.confidence.proj.weight[0, D:] = 2.5 * torch.randn(V, generator=g)
-        drafter.confidence.proj.weight[0, D:] += 1.0  # W1 rows are one-hot: +1 on every logit
-    return drafter
-
-
 @pytest.fixture(scope="module")
 def tiny():
-    target = cycle_target()
-    return SimpleNamespace(target=target, tokenizer=word_tokenizer(), drafter=cycle_drafter(target).bind(target))
+    # two layers that leave the cycle ~20 % of the time; a markov drafter in threshold mode, not calibrated
+    target = cycle_target(num_hidden_layers=2, alpha=0.02, name="tiny-cycle-llama")
+    drafter = cycle_drafter(target, "markov", block_size=5, verification="threshold").bind(target)
+    return SimpleNamespace(target=target, tokenizer=word_tokenizer(), drafter=drafter)
 
 
 # ----------------------------------------------------------------------------- pure pairing

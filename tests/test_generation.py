@@ -13,8 +13,6 @@ so rejections happen too. Everything is tiny and CPU-only.
 import pytest
 import torch
 from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
     LogitsProcessor,
     LogitsProcessorList,
     PreTrainedTokenizerFast,
@@ -24,109 +22,38 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 from transformers.generation.streamers import BaseStreamer
 
 import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
-from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling, SPSCurve
+from conftest import CYCLE_VOCAB, LLAMA_DEFAULT_TOKENS, cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
+from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling
 from dspark_hf.scheduler import schedule_prefix, threshold_prefix
 
 HEADS = ("none", "markov", "rnn")
 MODES = ("fixed", "threshold", "scheduler")
 GAMMAS = (1, 4, 7, 16)
-V, D = 64, 64  # greedy target: vocab = width, so the embedding rows can be orthonormal
+V, D = CYCLE_VOCAB, CYCLE_VOCAB  # greedy target: vocab = width, so the embedding rows can be orthonormal
 N_PROMPTS, MAX_NEW = 20, 12
 THRESHOLD = 0.5
 TIE_GAP = 1e-4  # the only accepted cause of a greedy divergence: plain generate's top-2 gap below this
-# CPU-like verification cost (ms per target step for B = 1..17 tokens; transformers-5-notes.md): steep then flat
-CPU_MS = [65, 109, 110, 115, 120, 126, 130, 135, 140, 146, 150, 155, 160, 165, 170, 175, 180]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls are ~50x slower with 2 threads on a loaded 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def sps_curve(ms=CPU_MS):
-    return SPSCurve(steps_per_s=[1000.0 / m for m in ms], target_name="tiny", device_name="cpu", dtype="float32",
-                    torch_version=torch.__version__, context_len=0, n_params=0)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------ greedy fixtures
-_g = torch.Generator().manual_seed(0)
-_ORDER = torch.randperm(V, generator=_g)
-CYCLE = torch.empty(V, dtype=torch.long)
-CYCLE[_ORDER] = _ORDER.roll(-1)  # f: one cycle through the whole vocabulary (no fixed points)
-CYCLE_INV = torch.argsort(CYCLE)
-
-
-def cycle_target(alpha=0.026, scale=3.0) -> LlamaForCausalLM:
-    """Llama whose greedy next token is usually ``CYCLE[last token]``.
-
-    Orthonormal embeddings, ``lm_head[y] = scale * E[f^{-1}(y)]`` and layers whose residual writes are
-    scaled by ``alpha``: the layers (attention over the whole context) move the argmax off the cycle
-    about 17 % of the time; logit gaps stay large, so near-ties are rare. One layer keeps it fast.
-    """
-    torch.manual_seed(1)
-    config = LlamaConfig(
-        vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, eos_token_id=None, pad_token_id=0, bos_token_id=None,
-        initializer_range=0.3, tie_word_embeddings=False,
-    )
-    target = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        q, _ = torch.linalg.qr(torch.randn(D, D, generator=torch.Generator().manual_seed(2)))
-        target.model.embed_tokens.weight.copy_(q[:V])
-        target.lm_head.weight.copy_(scale * q[:V][CYCLE_INV])
-        for layer in target.model.layers:
-            layer.self_attn.o_proj.weight.mul_(alpha)
-            layer.mlp.down_proj.weight.mul_(alpha)
-    return target
-
-
-def cycle_drafter(target, head, beta=100.0, block_size=4, **kwargs) -> DSparkDrafter:
-    """A "cheating" drafter that predicts ``CYCLE``.
-
-    ``W1`` = one-hot rows (rank = V); markov: ``W2`` maps x to a +beta bias on f(x) (eq. 5); rnn: the output
-    gate copies ``W1[x]`` (tanh(20) ≈ 1) and ``W2`` maps it the same way (eq. 6); none: the backbone is an
-    identity (zeroed residual writes) so position 1 predicts f(anchor) through the target's lm_head.
-    Confidences depend on the previous token with a spread of logits, so ℓ varies in threshold/scheduler.
-    """
-    config = DSparkConfig.for_target(target, target_layer_ids=[0], num_hidden_layers=1, sequential_head=head,
-                                     sequential_rank=V, block_size=block_size, **kwargs)
-    torch.manual_seed(3)
-    drafter = DSparkDrafter(config).eval()
-    g = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        drafter.token_table.weight.zero_()
-        drafter.token_table.weight[:V] = torch.eye(V)
-        for layer in drafter.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        to_next = beta * torch.eye(V)[CYCLE_INV]  # row y = beta * e_{f^{-1}(y)}
-        if head == "markov":
-            drafter.sequential.w2.weight.copy_(to_next)
-        elif head == "rnn":
-            drafter.sequential.gates.weight.normal_(0.0, 0.1, generator=g)
-            drafter.sequential.gates.weight[2 * V:, V:2 * V] = 20.0 * torch.eye(V)
-            drafter.sequential.w2.weight.copy_(to_next)
-        if drafter.confidence is not None:
-            drafter.confidence.proj.weight.zero_()
-            drafter.confidence.proj.weight[0, D:] = 2.5 * torch.randn(V, generator=g)
-            drafter.confidence.proj.weight[0, D:] += 1.0  # W1 rows are one-hot: +1 on every logit (eq. 7 has no bias)
+def ready_cycle_drafter(target, head, **config) -> DSparkDrafter:
+    """``cycle_drafter`` with a calibration and the CPU SPS curve, so that every verification mode runs."""
+    drafter = cycle_drafter(target, head, **config)
     drafter.calibration = SequentialTemperatureScaling(temperatures=[0.8, 1.0, 1.2, 0.9] * 4)
-    drafter.set_sps_curve(sps_curve())
+    drafter.set_sps_curve(tiny_sps_curve())
     return drafter
 
 
 @pytest.fixture(scope="module")
 def target():
-    return cycle_target()
+    return cycle_target(num_hidden_layers=1, alpha=0.026)  # one layer (fast) leaving the cycle ~17 % of the time
 
 
 @pytest.fixture(scope="module")
 def drafters(target):
-    return {head: cycle_drafter(target, head) for head in HEADS}
+    return {head: ready_cycle_drafter(target, head) for head in HEADS}
 
 
 @pytest.fixture(scope="module")
@@ -314,7 +241,7 @@ def test_untrained_drafter_is_still_lossless(target, prompts, references):
     torch.manual_seed(9)
     drafter = DSparkDrafter(config)
     drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * 16)
-    drafter.set_sps_curve(sps_curve([1.0] * 17))
+    drafter.set_sps_curve(tiny_sps_curve([1.0] * 17))
     for mode in MODES:
         for prompt, ref in zip(prompts[:6], references[:6]):
             out = generate(target, prompt, drafter, mode, 7)
@@ -423,7 +350,7 @@ def test_num_return_sequences_raises(target, drafters, prompts, forward_calls):
 
 
 def test_scheduler_without_calibration_names_dspark_calibrate(target, prompts, forward_calls):
-    drafter = cycle_drafter(target, "markov")
+    drafter = ready_cycle_drafter(target, "markov")
     drafter.calibration = None
     _raises_before_compute(forward_calls, "dspark calibrate",
                            lambda: generate(target, prompts[1], drafter, "scheduler", 4))
@@ -436,7 +363,7 @@ def test_scheduler_without_calibration_names_dspark_calibrate(target, prompts, f
 
 @pytest.mark.parametrize("mode", ["scheduler", "threshold"])
 def test_mode_without_confidence_head_raises(target, prompts, forward_calls, mode):
-    drafter = cycle_drafter(target, "markov", confidence_head=False)
+    drafter = ready_cycle_drafter(target, "markov", confidence_head=False)
     assert drafter.confidence is None
     _raises_before_compute(forward_calls, "confidence head", lambda: generate(target, prompts[1], drafter, mode, 4))
     forward_calls.clear()
@@ -456,8 +383,7 @@ def test_block_size_out_of_range_raises(target, drafters, prompts, forward_calls
 
 
 def test_drafter_for_other_vocab_raises_at_generate(target, prompts, forward_calls):
-    other = LlamaForCausalLM(LlamaConfig(vocab_size=V + 16, hidden_size=D, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    other = tiny_llama(V + 16, D, 2, seed=None, head_dim=16, **LLAMA_DEFAULT_TOKENS)
     drafter = DSparkDrafter(DSparkConfig.for_target(other, num_context_layers=1, num_hidden_layers=1, sequential_rank=8))
     drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * 16)
     _raises_before_compute(forward_calls, "Vocabulary mismatch.*dspark train",
@@ -466,7 +392,7 @@ def test_drafter_for_other_vocab_raises_at_generate(target, prompts, forward_cal
 
 @pytest.mark.parametrize(("mode", "extra"), [("threshold", {"dspark_threshold": 1.5}), ("scheduler", {})])
 def test_bad_threshold_or_short_calibration_raise_before_compute(target, prompts, forward_calls, mode, extra):
-    drafter = cycle_drafter(target, "markov")
+    drafter = ready_cycle_drafter(target, "markov")
     drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * 7)  # fitted on γ = 7 rounds
     with pytest.raises(ValueError):
         target.generate(prompts[1], max_new_tokens=MAX_NEW, do_sample=False, assistant_model=drafter,
@@ -481,10 +407,7 @@ def test_output_hidden_states_with_dict_is_rejected(target, drafters, prompts, f
 
 # --------------------------------------------------------------------------- stock assistants
 def test_plain_assistant_keeps_stock_behaviour(target, prompts, references, monkeypatch):
-    torch.manual_seed(11)
-    assistant = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                             num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                             pad_token_id=0, bos_token_id=None, eos_token_id=None)).eval()
+    assistant = tiny_llama(V, 32, 1, seed=11)
     calls = []
     stock = AssistedCandidateGenerator.get_candidates
 
@@ -514,11 +437,8 @@ P_BIASED = 1e-6
 
 @pytest.fixture(scope="module")
 def sampling_setup():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=SV, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, eos_token_id=None,
-                         pad_token_id=None, bos_token_id=None, initializer_range=0.3, tie_word_embeddings=False)
-    target = LlamaForCausalLM(config).eval()
+    target = tiny_llama(SV, 16, 1, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                        pad_token_id=None, initializer_range=0.3)
     with torch.no_grad():
         target.lm_head.weight.mul_(0.5)  # target logits of std ~1: a spread, non-uniform p
     prompt = torch.tensor([[0, 0, 4]])  # a prompt with a spread law of t1 (chosen for test power)
@@ -554,7 +474,7 @@ def sampling_drafter(target, draft_vocab=None):
         if draft_vocab is not None:
             drafter.set_draft_vocab(torch.tensor([6, 0, 3, 5, 1, 7])[:draft_vocab])
     drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * 16)
-    drafter.set_sps_curve(sps_curve())
+    drafter.set_sps_curve(tiny_sps_curve())
     return drafter
 
 

@@ -24,9 +24,10 @@ import torch
 from huggingface_hub import ModelCard, scan_cache_dir
 from huggingface_hub.utils import _http
 from huggingface_hub.utils.sha import git_hash
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import dspark_hf
+from conftest import tiny_llama
 from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling, hub
 from dspark_hf.cli import main as cli_main
 from dspark_hf.target import DEFAULT_TARGET_NAME
@@ -45,20 +46,11 @@ TRAINING = {"steps": 1200, "minutes": 54.25, "config": {"target_tokens": 300000,
             "validation": {"loss": 1.234, "tau": 2.75, "accept": [0.7, 0.5, 0.35, 0.2]}}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_target() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False,
-                         eos_token_id=None, bos_token_id=None, pad_token_id=0)
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(V, 32, 4, max_position_embeddings=128)
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,10 @@ import warnings
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModel, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModel
 
 import dspark_hf  # noqa: F401  (registers "dspark" with the Auto classes)
+from conftest import tiny_llama
 from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling
 from dspark_hf.calibration import CALIBRATION_FILE
 from dspark_hf.heads import MarkovHead, RNNHead
@@ -24,25 +25,11 @@ DRAFT_VOCAB = 40  # V' < V for the restricted-vocabulary variants
 N_CTX = 11  # prompt positions whose target features form the context
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls are ~50x slower with 2 threads on a loaded 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny_target(vocab=V, hidden=D, layers=6, name="tiny/target", seed=0):
-    torch.manual_seed(seed)
-    tc = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, eos_token_id=None, pad_token_id=0,
-        initializer_range=0.2,
-    )
-    target = LlamaForCausalLM(tc).eval()
-    target.config._name_or_path = name
-    return target
+def tiny_target(vocab=V, hidden=D, layers=6, name="tiny/target"):
+    return tiny_llama(vocab, hidden, layers, name=name, initializer_range=0.2, bos_token_id=1)
 
 
 @pytest.fixture(scope="module")

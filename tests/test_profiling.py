@@ -2,29 +2,21 @@
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
+from conftest import LLAMA_DEFAULT_TOKENS, tiny_llama
 from dspark_hf import profiling
 from dspark_hf.profiling import SPSCurve, load_or_profile_sps, profile_sps, sps_cache_path, time_verify_step
 
 KW = dict(max_tokens=4, context_len=8, repeats=1, progress=False)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny forwards on a busy 2-core machine: two OpenMP threads wait on each other for ~100 ms."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def target():
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(64, 32, 2, max_position_embeddings=64, **LLAMA_DEFAULT_TOKENS)
 
 
 @pytest.fixture(autouse=True)

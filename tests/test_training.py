@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import datasets
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from conftest import tiny_llama
 from dspark_hf.config import spread_layer_ids
 from dspark_hf.data import load_shards, prepare_data
 from dspark_hf.training import TrainConfig, dspark_loss, expected_tau, position_weights, train, tv_distance
@@ -65,10 +65,7 @@ def test_invalid_positions_and_oov_labels_do_not_count():
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, eos_token_id=None)
-    target = LlamaForCausalLM(config).eval()
+    target = tiny_llama(48, 32, 6, bos_token_id=1, pad_token_id=None)
     with torch.no_grad():  # a peaked, learnable target: logits follow the input token
         target.lm_head.weight.mul_(8)
     prompts = torch.randint(3, 48, (48, 6)).tolist()
