@@ -1,11 +1,18 @@
-"""The bundled default target: offline load, cached safetensors == GGUF logits, clear install error."""
+"""The real default target: offline load, cached copy == GGUF logits, lossless DSpark on it, the CLI."""
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from dspark_hf import DSparkConfig, DSparkDrafter
 from dspark_hf import target as target_mod
+from dspark_hf.data import chat_ids
 
 
 def test_missing_package_names_install_command(monkeypatch):
@@ -36,3 +43,44 @@ def test_cached_copy_matches_gguf_logits(default_target):
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     with torch.no_grad():
         torch.testing.assert_close(cached(ids).logits, gguf.eval()(ids).logits, rtol=0, atol=0)
+
+
+PROMPTS = ["What is the capital of France?", "Write a Python function that reverses a string.", "hi"]
+SHIPPED = Path(__file__).resolve().parent.parent / "model_cards" / "dspark-smollm2-135m-instruct"
+
+
+def _greedy(model, tokenizer, prompt, **kwargs):
+    ids = torch.tensor([chat_ids(tokenizer, prompt)])
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["fixed", "threshold"])
+def test_untrained_drafter_is_lossless_on_the_real_target(default_target, mode):
+    model, tokenizer = default_target
+    torch.manual_seed(0)
+    drafter = DSparkDrafter(DSparkConfig.for_target(model, num_hidden_layers=1, draft_vocab_size=None))
+    for prompt in PROMPTS:
+        assert torch.equal(_greedy(model, tokenizer, prompt, assistant_model=drafter, dspark_verification=mode),
+                           _greedy(model, tokenizer, prompt))
+        assert drafter.last_stats.rounds
+
+
+def test_shipped_drafter_is_lossless_with_the_scheduler(default_target):
+    model, tokenizer = default_target
+    drafter = DSparkDrafter.from_pretrained(SHIPPED)
+    assert drafter.calibration is not None and drafter.config.draft_vocab_size == 8192
+    for prompt in PROMPTS:
+        assert torch.equal(_greedy(model, tokenizer, prompt, assistant_model=drafter), _greedy(model, tokenizer, prompt))
+        assert drafter.last_stats.verification == "scheduler"
+
+
+def test_cli_generate_compare_json():
+    result = subprocess.run(
+        [sys.executable, "-m", "dspark_hf.cli", "generate", "Name three colors.", "--compare", "--json",
+         "--max-new-tokens", "16"],
+        capture_output=True, text=True, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    record = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(record) == {"text", "new_tokens", "rounds", "tau", "tokens_per_s", "baseline_tokens_per_s", "speedup",
+                           "identical"}
+    assert record["identical"] is True and 0 < record["new_tokens"] <= 16 and record["tau"] >= 1

@@ -1,0 +1,476 @@
+"""Confidence calibration: Sequential Temperature Scaling (STS) and the metrics that judge it.
+
+Implements paper §3.2.1 ("Post-hoc Calibration") and the diagnostics of §4 (ECE, ROC-AUC, reliability
+diagram). Symbols follow the paper:
+
+- ``c[k]``: conditional confidence of draft position ``k`` (shape symbol ``γ`` = positions per round).
+- ``a[k] = prod_{i<=k} c[i]``: prefix survival probability, what the scheduler needs in absolute terms.
+- A *round* is one speculative step verified with a FIXED length ``γ``, so every label is observed:
+  ``accepted`` = draft tokens accepted in that round (``0..γ``, not counting the bonus token).
+- Survival label of position ``k``: ``1[accepted >= k]``; it is the target of ``a[k]``.
+- Conditional label of position ``k``: ``1[accepted >= k]``, defined only where ``accepted >= k - 1``
+  (the prefix before ``k`` survived); it is the target of ``c[k]``.
+
+STS rescales each position on the logit, ``c'[k] = sigmoid(logit(c[k]) / T[k])``, choosing ``T[k]`` left
+to right by a 1-D grid search that minimises the ECE of ``a'[k]`` with ``T[1..k-1]`` held fixed.
+Temperature scaling is order preserving, so the head's ranking (ROC-AUC) is unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "CALIBRATION_FILE",
+    "DEFAULT_GRID",
+    "SequentialTemperatureScaling",
+    "brier_score",
+    "conditional_mask",
+    "expected_calibration_error",
+    "reliability_diagram",
+    "roc_auc",
+    "scale_temperature",
+    "survival_labels",
+]
+
+FORMAT_VERSION = 1
+CALIBRATION_FILE = "calibration.json"
+# Geometric grid of temperatures 0.1 .. 10 (201 points, ~2.3 % apart); contains T = 1 exactly.
+DEFAULT_GRID = tuple(10.0 ** (k / 100) for k in range(-100, 101))
+
+
+# ----------------------------------------------------------------------------- input checks
+
+
+def _check_labels(labels: torch.Tensor, n: int) -> torch.Tensor:
+    """``labels`` as float64 ``(n,)`` of 0/1, or ``ValueError``."""
+    y = torch.as_tensor(labels)
+    if y.shape != (n,):
+        raise ValueError(f"labels must have shape ({n},) to match the scores, got {tuple(y.shape)}.")
+    y = y.to(torch.float64)
+    if not bool(((y == 0) | (y == 1)).all()):
+        raise ValueError("labels must be 0/1 (or bool).")
+    return y
+
+
+def _check_probs(probs: torch.Tensor, name: str = "probs") -> torch.Tensor:
+    """``probs`` as a non-empty float64 tensor with values in ``[0, 1]``, or ``ValueError``."""
+    p = torch.as_tensor(probs).to(torch.float64)
+    if p.numel() == 0:
+        raise ValueError(f"{name} is empty.")
+    if not bool(((p >= 0) & (p <= 1)).all()):
+        raise ValueError(f"{name} must lie in [0, 1] (and not be NaN); pass probabilities, not logits.")
+    return p
+
+
+def _check_rounds(confidences: torch.Tensor, accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate fixed-length rounds: ``confidences (N, γ)`` in ``[0, 1]`` and ``accepted (N,)`` in ``0..γ``."""
+    c = _check_probs(confidences, "confidences")
+    if c.ndim != 2:
+        raise ValueError(f"confidences must have shape (N, γ) (one row per round), got {tuple(c.shape)}.")
+    n, gamma = c.shape
+    n_acc = torch.as_tensor(accepted)
+    if n_acc.shape != (n,) or n_acc.is_floating_point() or n_acc.dtype == torch.bool:
+        raise ValueError(f"accepted must be an integer tensor of shape ({n},), got {n_acc.dtype} {tuple(n_acc.shape)}.")
+    if not bool(((n_acc >= 0) & (n_acc <= gamma)).all()):
+        raise ValueError(f"accepted must lie in 0..γ = 0..{gamma} (draft tokens accepted, bonus token excluded).")
+    return c, n_acc.long()
+
+
+# ----------------------------------------------------------------------------- labels
+
+
+def survival_labels(accepted: torch.Tensor, gamma: int) -> torch.Tensor:
+    """Prefix-survival labels ``1[accepted >= k]`` for ``k = 1..γ`` (paper §3.2.1).
+
+    Args:
+        accepted: ``torch.LongTensor`` of shape ``(N,)``, draft tokens accepted per round.
+        gamma: number of draft positions ``γ``.
+
+    Returns:
+        ``torch.FloatTensor`` (float64) of shape ``(N, γ)``.
+    """
+    k = torch.arange(1, gamma + 1, device=accepted.device)  # (γ,)
+    return (accepted[:, None] >= k).to(torch.float64)  # (N, γ)
+
+
+def conditional_mask(accepted: torch.Tensor, gamma: int) -> torch.Tensor:
+    """Where the conditional label of position ``k`` is defined: ``accepted >= k - 1`` (paper §3.2.1).
+
+    Args:
+        accepted: ``torch.LongTensor`` of shape ``(N,)``.
+        gamma: number of draft positions ``γ``.
+
+    Returns:
+        ``torch.BoolTensor`` of shape ``(N, γ)``.
+    """
+    k = torch.arange(1, gamma + 1, device=accepted.device)  # (γ,)
+    return accepted[:, None] >= k - 1  # (N, γ)
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def _bin_sums(probs: torch.Tensor, labels: torch.Tensor, n_bins: int) -> tuple[torch.Tensor, ...]:
+    """Per-column equal-width bin statistics.
+
+    Args:
+        probs: float64 ``(N, G)`` in ``[0, 1]``; labels: float64 ``(N,)``.
+
+    Returns:
+        ``(counts, sum_probs, sum_labels)``, each float64 ``(G, n_bins)``; bin ``b`` holds
+        ``[b / n_bins, (b + 1) / n_bins)``, the last bin also holds 1.0.
+    """
+    n, g = probs.shape
+    bins = (probs * n_bins).floor().long().clamp_(max=n_bins - 1).T  # (G, N)
+    zeros = torch.zeros(g, n_bins, dtype=torch.float64)
+    counts = zeros.scatter_add(1, bins, torch.ones(g, n, dtype=torch.float64))
+    sum_probs = zeros.scatter_add(1, bins, probs.T.contiguous())
+    sum_labels = zeros.scatter_add(1, bins, labels.expand(g, n).contiguous())
+    return counts, sum_probs, sum_labels
+
+
+def _ece_columns(probs: torch.Tensor, labels: torch.Tensor, n_bins: int) -> torch.Tensor:
+    """ECE of every column of ``probs (N, G)`` against ``labels (N,)``: float64 ``(G,)``."""
+    _, sum_probs, sum_labels = _bin_sums(probs, labels, n_bins)
+    # sum_b (n_b / N) |mean_p - mean_y| = sum_b |sum_p - sum_y| / N
+    return (sum_probs - sum_labels).abs().sum(dim=1) / probs.shape[0]
+
+
+def expected_calibration_error(probs: torch.Tensor, labels: torch.Tensor, n_bins: int = 15) -> float:
+    """Expected Calibration Error (Naeini et al., 2015), as used for STS in paper §3.2.1.
+
+    ``ECE = sum_b (n_b / N) · |mean(probs in b) - mean(labels in b)|`` over ``n_bins`` equal-width bins
+    on ``[0, 1]`` (bin ``b`` is ``[b/n, (b+1)/n)``, the last bin includes 1).
+
+    Args:
+        probs: predicted probabilities, shape ``(N,)``, in ``[0, 1]``.
+        labels: outcomes 0/1 (or bool), shape ``(N,)``.
+        n_bins: number of bins, ``>= 1``.
+
+    Returns:
+        ECE as a float in ``[0, 1]`` (probability units).
+
+    Raises:
+        ValueError: empty input, shape mismatch, values outside ``[0, 1]``, non-binary labels, ``n_bins < 1``.
+    """
+    if n_bins < 1:
+        raise ValueError(f"n_bins must be >= 1, got {n_bins}.")
+    p = _check_probs(probs)
+    if p.ndim != 1:
+        raise ValueError(f"probs must have shape (N,), got {tuple(p.shape)}.")
+    y = _check_labels(labels, p.shape[0])
+    return _ece_columns(p[:, None], y, n_bins).item()
+
+
+def brier_score(probs: torch.Tensor, labels: torch.Tensor) -> float:
+    """Brier score ``mean((probs - labels)^2)`` (paper §4 calibration diagnostics).
+
+    Args:
+        probs: predicted probabilities, shape ``(N,)``, in ``[0, 1]``.
+        labels: outcomes 0/1 (or bool), shape ``(N,)``.
+
+    Returns:
+        A float in ``[0, 1]``; lower is better.
+
+    Raises:
+        ValueError: empty input, shape mismatch, values outside ``[0, 1]``, non-binary labels.
+    """
+    p = _check_probs(probs)
+    if p.ndim != 1:
+        raise ValueError(f"probs must have shape (N,), got {tuple(p.shape)}.")
+    y = _check_labels(labels, p.shape[0])
+    return ((p - y) ** 2).mean().item()
+
+
+def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Area under the ROC curve (Hanley and McNeil, 1982), the discrimination metric of paper §4.
+
+    Rank-based (Mann-Whitney U): the probability that a random positive scores above a random
+    negative, ties counting one half (average ranks).
+
+    Args:
+        scores: real scores, shape ``(N,)`` (any finite values; higher means "more likely positive").
+        labels: outcomes 0/1 (or bool), shape ``(N,)``.
+
+    Returns:
+        AUC in ``[0, 1]``, or ``nan`` when only one class is present.
+
+    Raises:
+        ValueError: empty input, shape mismatch, non-finite scores, non-binary labels.
+    """
+    s = torch.as_tensor(scores).to(torch.float64)
+    if s.ndim != 1 or s.numel() == 0:
+        raise ValueError(f"scores must have shape (N,) with N >= 1, got {tuple(s.shape)}.")
+    if not bool(torch.isfinite(s).all()):
+        raise ValueError("scores must be finite.")
+    y = _check_labels(labels, s.shape[0]).bool()
+    n_pos = int(y.sum())
+    n_neg = y.numel() - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return math.nan
+    _, inverse, counts = torch.unique(s, return_inverse=True, return_counts=True)  # ascending groups
+    ends = counts.cumsum(0).to(torch.float64)
+    mean_rank = ends - (counts - 1).to(torch.float64) / 2  # 1-based rank, averaged over ties
+    rank_sum = mean_rank[inverse][y].sum().item()
+    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
+# ----------------------------------------------------------------------------- STS
+
+
+def scale_temperature(confidences: torch.Tensor, temperature: torch.Tensor | float) -> torch.Tensor:
+    """Temperature scaling on the logit: ``sigmoid(logit(c) / T)`` (paper §3.2.1, STS).
+
+    Exact 0 and 1 stay 0 and 1. ``T > 1`` softens over-confident scores; the map is strictly
+    increasing in ``c`` for every ``T > 0`` (order preserving).
+
+    Args:
+        confidences: probabilities in ``[0, 1]``, any shape.
+        temperature: positive scalar or tensor broadcastable against ``confidences``.
+
+    Returns:
+        Tensor of the broadcast shape, dtype of ``confidences``.
+    """
+    return torch.sigmoid(torch.logit(confidences) / temperature)
+
+
+@dataclass
+class SequentialTemperatureScaling:
+    """Sequential Temperature Scaling (paper §3.2.1): one logit temperature per draft position.
+
+    Attributes:
+        temperatures: ``T[k]`` for positions ``k = 1..γ`` (index ``k - 1``), each ``> 0``; empty until
+            :meth:`fit` or :meth:`load`.
+        fit_report: the :meth:`report` of the data :meth:`fit` saw (``None`` when built by hand).
+
+    Raises:
+        ValueError: a temperature is not a finite positive number.
+    """
+
+    temperatures: list[float] = field(default_factory=list)  # T[k - 1]; 1.0 leaves position k unchanged
+    fit_report: dict | None = None  # report on the fitting rounds, saved alongside the temperatures
+
+    def __post_init__(self) -> None:
+        self.temperatures = [float(t) for t in self.temperatures]
+        if not all(math.isfinite(t) and t > 0 for t in self.temperatures):
+            raise ValueError(f"temperatures must be finite and > 0, got {self.temperatures}.")
+
+    def fit(
+        self, confidences: torch.Tensor, accepted: torch.Tensor, grid: Sequence[float] = DEFAULT_GRID, n_bins: int = 15
+    ) -> SequentialTemperatureScaling:
+        """Fit ``T[1..γ]`` left to right by grid search on the ECE of ``a[k]`` (paper §3.2.1).
+
+        Args:
+            confidences: raw conditional confidences ``c``, shape ``(N, γ)``, from fixed-length rounds.
+            accepted: ``torch.LongTensor`` of shape ``(N,)``, draft tokens accepted per round (``0..γ``).
+            grid: candidate temperatures (all ``> 0``); ties go to the first grid entry.
+            n_bins: ECE bins.
+
+        Returns:
+            ``self``, with :attr:`temperatures` and :attr:`fit_report` set.
+
+        Raises:
+            ValueError: malformed rounds (shapes, ranges, dtypes) or an empty / non-positive grid.
+        """
+        c, n_acc = _check_rounds(confidences, accepted)
+        temps = torch.as_tensor(list(grid), dtype=torch.float64)  # (G,)
+        if temps.ndim != 1 or temps.numel() == 0 or not bool((temps > 0).all() & torch.isfinite(temps).all()):
+            raise ValueError("grid must be a non-empty sequence of finite temperatures > 0.")
+        labels = survival_labels(n_acc, c.shape[1])  # (N, γ)
+        survival = torch.ones(c.shape[0], dtype=torch.float64)  # calibrated a[k-1], (N,)
+        self.temperatures = []
+        for k in range(c.shape[1]):
+            candidates = survival[:, None] * scale_temperature(c[:, k : k + 1], temps)  # (N, G)
+            best = int(_ece_columns(candidates, labels[:, k], n_bins).argmin())
+            self.temperatures.append(temps[best].item())
+            survival = candidates[:, best]
+        self.fit_report = self.report(c, n_acc, n_bins)
+        return self
+
+    def apply(self, confidences: torch.Tensor) -> torch.Tensor:
+        """Calibrated conditional confidences ``c'[k] = sigmoid(logit(c[k]) / T[k])``.
+
+        Args:
+            confidences: raw ``c`` of shape ``(γ,)`` or ``(N, γ)`` (any leading dims), ``γ <= len(temperatures)``.
+
+        Returns:
+            Tensor of the same shape, dtype and device; feed it to :func:`dspark_hf.scheduler.prefix_survival`.
+
+        Raises:
+            ValueError: not fitted, ``γ`` larger than the fitted positions, or values outside ``[0, 1]``.
+        """
+        if not self.temperatures:
+            raise ValueError("SequentialTemperatureScaling has no temperatures; call fit() or load() first.")
+        confidences = torch.as_tensor(confidences)
+        if not confidences.is_floating_point():
+            confidences = confidences.to(torch.float64)
+        gamma = confidences.shape[-1] if confidences.ndim else 0
+        if not 1 <= gamma <= len(self.temperatures):
+            raise ValueError(f"confidences have γ = {gamma} positions but the calibration covers "
+                             f"1..{len(self.temperatures)}; refit on rounds with at least this many draft tokens.")
+        _check_probs(confidences, "confidences")
+        temps = torch.tensor(self.temperatures[:gamma], dtype=confidences.dtype, device=confidences.device)
+        return scale_temperature(confidences, temps)
+
+    def report(self, confidences: torch.Tensor, accepted: torch.Tensor, n_bins: int = 15) -> dict:
+        """Per-position calibration and discrimination of raw vs. calibrated scores (paper §4, Figure 6).
+
+        Args:
+            confidences: raw conditional confidences ``c``, shape ``(N, γ)``, fixed-length rounds.
+            accepted: ``torch.LongTensor`` of shape ``(N,)``.
+            n_bins: ECE bins.
+
+        Returns:
+            ``{"n_rounds", "mean_ece_before", "mean_ece_after", "positions": [...]}``; each position holds
+            ``position`` (1-based), ``temperature``, ``survival_rate`` (mean of ``1[accepted >= k]``),
+            ``ece_before``/``ece_after`` and ``brier_before``/``brier_after`` of ``a[k]`` against
+            survival labels, ``roc_auc`` of ``c[k]`` against conditional labels on rounds with
+            ``accepted >= k - 1`` (``None`` when one class is absent; unchanged by STS) and
+            ``n_conditional`` (how many such rounds).
+
+        Raises:
+            ValueError: malformed rounds or ``γ`` beyond the fitted positions.
+        """
+        c, n_acc = _check_rounds(confidences, accepted)
+        gamma = c.shape[1]
+        labels, mask = survival_labels(n_acc, gamma), conditional_mask(n_acc, gamma)
+        raw, calibrated = torch.cumprod(c, 1), torch.cumprod(self.apply(c), 1)  # (N, γ)
+        positions = []
+        for k in range(gamma):
+            auc = roc_auc(c[mask[:, k], k], labels[mask[:, k], k]) if bool(mask[:, k].any()) else math.nan
+            positions.append({
+                "position": k + 1,
+                "temperature": self.temperatures[k],
+                "survival_rate": labels[:, k].mean().item(),
+                "ece_before": _ece_columns(raw[:, k : k + 1], labels[:, k], n_bins).item(),
+                "ece_after": _ece_columns(calibrated[:, k : k + 1], labels[:, k], n_bins).item(),
+                "brier_before": brier_score(raw[:, k], labels[:, k]),
+                "brier_after": brier_score(calibrated[:, k], labels[:, k]),
+                "roc_auc": None if math.isnan(auc) else auc,
+                "n_conditional": int(mask[:, k].sum()),
+            })
+        return {
+            "n_rounds": c.shape[0],
+            "mean_ece_before": sum(p["ece_before"] for p in positions) / gamma,
+            "mean_ece_after": sum(p["ece_after"] for p in positions) / gamma,
+            "positions": positions,
+        }
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write ``{"format_version", "temperatures", "report"}`` as JSON.
+
+        Args:
+            path: a ``.json`` file, or a folder (created if needed) that receives ``calibration.json``.
+
+        Returns:
+            The path written.
+
+        Raises:
+            ValueError: nothing fitted yet.
+        """
+        if not self.temperatures:
+            raise ValueError("nothing to save; call fit() first.")
+        file = _calibration_file(path, create=True)
+        payload = {"format_version": FORMAT_VERSION, "temperatures": self.temperatures, "report": self.fit_report}
+        file.write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n")
+        return file
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> SequentialTemperatureScaling:
+        """Read a calibration written by :meth:`save` (a ``.json`` file or a folder holding ``calibration.json``).
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: unknown ``format_version``.
+        """
+        payload = json.loads(_calibration_file(path, create=False).read_text())
+        if payload.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"unsupported calibration format_version {payload.get('format_version')!r}; "
+                             f"this dspark-hf reads version {FORMAT_VERSION}. Refit and save again.")
+        return cls(temperatures=payload["temperatures"], fit_report=payload.get("report"))
+
+
+def _calibration_file(path: str | os.PathLike, create: bool) -> Path:
+    """``path`` itself when it names a ``.json`` file, else ``path / calibration.json``."""
+    path = Path(path)
+    if path.suffix == ".json":
+        if create:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+    if create:
+        path.mkdir(parents=True, exist_ok=True)
+    return path / CALIBRATION_FILE
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def reliability_diagram(
+    confidences: torch.Tensor,
+    accepted: torch.Tensor,
+    calibration: SequentialTemperatureScaling,
+    path: str | os.PathLike,
+    pooled: bool = False,
+    n_bins: int = 15,
+) -> Path:
+    """Reliability diagram of ``a[k]`` before and after STS, as a PNG (paper §4, Figure 6).
+
+    Plots mean predicted survival against the empirical survival rate per equal-width bin (empty bins
+    skipped) with the diagonal for reference; one panel per position, or one panel pooling all
+    positions when ``pooled``.
+
+    Args:
+        confidences: raw conditional confidences ``c``, shape ``(N, γ)``, fixed-length rounds.
+        accepted: ``torch.LongTensor`` of shape ``(N,)``.
+        calibration: a fitted :class:`SequentialTemperatureScaling`.
+        path: PNG file to write (parent folders are created).
+        pooled: one panel for all positions instead of one per position.
+        n_bins: number of bins.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ModuleNotFoundError: matplotlib is missing (``pip install matplotlib``).
+        ValueError: malformed rounds, or ``calibration`` not fitted / too short.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError("reliability_diagram needs matplotlib: pip install 'dspark-hf[data]'") from err
+    c, n_acc = _check_rounds(confidences, accepted)
+    gamma = c.shape[1]
+    labels = survival_labels(n_acc, gamma)  # (N, γ)
+    before, after = torch.cumprod(c, 1), torch.cumprod(calibration.apply(c), 1)  # (N, γ)
+    if pooled:
+        panels = [("all positions", before.reshape(-1, 1), after.reshape(-1, 1), labels.reshape(-1))]
+    else:
+        panels = [(f"position {k + 1}", before[:, k : k + 1], after[:, k : k + 1], labels[:, k]) for k in range(gamma)]
+    ncols = min(len(panels), 4)
+    nrows = math.ceil(len(panels) / ncols)
+    fig = Figure(figsize=(3.2 * ncols, 3.2 * nrows), layout="constrained")
+    FigureCanvasAgg(fig)
+    for i, (title, p_before, p_after, y) in enumerate(panels):
+        ax = fig.add_subplot(nrows, ncols, i + 1)
+        ax.plot([0, 1], [0, 1], color="grey", linestyle=":", linewidth=1)
+        for name, probs in (("raw", p_before), ("STS", p_after)):
+            counts, sum_p, sum_y = (t[0] for t in _bin_sums(probs, y, n_bins))
+            seen = counts > 0
+            ece = _ece_columns(probs, y, n_bins).item()
+            ax.plot(sum_p[seen] / counts[seen], sum_y[seen] / counts[seen], marker="o", markersize=3,
+                    label=f"{name} (ECE {100 * ece:.1f}%)")
+        ax.set(title=title, xlim=(0, 1), ylim=(0, 1), xlabel="predicted survival a_k", ylabel="empirical survival")
+        ax.legend(fontsize="small", loc="upper left")
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png", dpi=120)
+    return out

@@ -1,0 +1,146 @@
+"""`DSparkConfig`: the drafter's architecture and the target it is bound to (paper §2.2, §3.1, §3.2.1)."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedConfig
+
+SEQUENTIAL_HEADS = ("none", "markov", "rnn")
+VERIFICATION_MODES = ("scheduler", "fixed", "threshold")
+MAX_BLOCK_SIZE = 16
+
+
+def spread_layer_ids(num_target_layers: int, num_context_layers: int) -> list[int]:
+    """``m`` target layer indices spread evenly from layer 1 to layer L-3 (the DFlash recipe).
+
+    Indices are 0-based decoder layers; the feature of layer ``i`` is ``hidden_states[i + 1]``. Targets
+    too shallow for ``m`` distinct layers get fewer.
+    """
+    first = min(1, num_target_layers - 1)
+    last = max(first, num_target_layers - 3)
+    if num_context_layers == 1:
+        return [last]
+    step = (last - first) / (num_context_layers - 1)
+    return sorted({round(first + j * step) for j in range(num_context_layers)})
+
+
+class DSparkConfig(PreTrainedConfig):
+    """Configuration of a :class:`~dspark_hf.DSparkDrafter`.
+
+    Args:
+        target_name_or_path: id of the target the drafter was trained for (a mismatch warns at bind).
+        vocab_size: the TARGET's vocabulary size (shared embedding and lm_head).
+        hidden_size: the TARGET's hidden size ``d``; the drafter works in the same width.
+        target_num_layers: depth ``L`` of the target.
+        target_layer_ids: 0-based target layers whose outputs form the context (paper eq. 2).
+        num_hidden_layers: drafter decoder layers (1-5).
+        num_attention_heads, num_key_value_heads, head_dim, intermediate_size, rms_norm_eps,
+        rope_theta, max_position_embeddings: llama-style layer shapes.
+        block_size: γ, draft tokens per round (1..16). Input is the anchor + γ-1 mask embeddings.
+        sequential_head: ``"none"`` (parallel, DFlash-style), ``"markov"`` (eq. 5) or ``"rnn"`` (eq. 6).
+        sequential_rank: rank ``r`` of ``W1`` / ``W2``.
+        confidence_head: whether to predict c_k (eq. 7).
+        draft_vocab_size: size of the drafter's output vocabulary (most frequent target tokens;
+            ``None`` = the full target vocabulary). The ids themselves are a checkpoint buffer.
+        verification: default verification mode in ``generate``: ``"scheduler"`` (Algorithm 1),
+            ``"fixed"`` or ``"threshold"``.
+        confidence_threshold: default threshold of the ``"threshold"`` mode.
+
+    Raises:
+        ValueError: on an unknown sequential head, γ outside 1..16, or layer ids out of range.
+    """
+
+    model_type = "dspark"
+
+    def __init__(
+        self,
+        target_name_or_path: str = "",
+        vocab_size: int = 49152,
+        hidden_size: int = 576,
+        target_num_layers: int = 30,
+        target_layer_ids: list[int] | None = None,
+        num_hidden_layers: int = 2,
+        num_attention_heads: int = 9,
+        num_key_value_heads: int = 3,
+        head_dim: int = 64,
+        intermediate_size: int = 1536,
+        rms_norm_eps: float = 1e-5,
+        rope_theta: float = 100000.0,
+        max_position_embeddings: int = 8192,
+        block_size: int = 7,
+        sequential_head: str = "markov",
+        sequential_rank: int = 128,
+        confidence_head: bool = True,
+        draft_vocab_size: int | None = None,
+        verification: str = "scheduler",
+        confidence_threshold: float = 0.4,
+        initializer_range: float = 0.02,
+        **kwargs,
+    ):
+        self.target_name_or_path = target_name_or_path
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.target_num_layers = target_num_layers
+        self.target_layer_ids = list(target_layer_ids or spread_layer_ids(target_num_layers, 4))
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim
+        self.intermediate_size = intermediate_size
+        self.rms_norm_eps = rms_norm_eps
+        self.rope_theta = rope_theta
+        self.max_position_embeddings = max_position_embeddings
+        self.block_size = block_size
+        self.sequential_head = sequential_head
+        self.sequential_rank = sequential_rank
+        self.confidence_head = confidence_head
+        self.draft_vocab_size = draft_vocab_size
+        self.verification = verification
+        self.confidence_threshold = confidence_threshold
+        self.initializer_range = initializer_range
+        super().__init__(**kwargs)
+        self._check()
+
+    def _check(self):
+        if self.sequential_head not in SEQUENTIAL_HEADS:
+            raise ValueError(f"sequential_head must be one of {SEQUENTIAL_HEADS}, got {self.sequential_head!r}")
+        if self.verification not in VERIFICATION_MODES:
+            raise ValueError(f"verification must be one of {VERIFICATION_MODES}, got {self.verification!r}")
+        if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size (γ) must be in 1..{MAX_BLOCK_SIZE}, got {self.block_size}")
+        if any(not 0 <= i < self.target_num_layers for i in self.target_layer_ids):
+            raise ValueError(
+                f"target_layer_ids {self.target_layer_ids} must lie in 0..{self.target_num_layers - 1} "
+                "(the target's decoder layers)"
+            )
+
+    @property
+    def context_width(self) -> int:
+        """``m * d``: width of the concatenated target features (input of ``W_c``)."""
+        return len(self.target_layer_ids) * self.hidden_size
+
+    @property
+    def uses_token_table(self) -> bool:
+        """Whether the drafter has ``W1`` (needed by the sequential and the confidence heads)."""
+        return self.sequential_head != "none" or self.confidence_head
+
+    @classmethod
+    def for_target(cls, target, num_context_layers: int = 4, **kwargs) -> "DSparkConfig":
+        """A config whose shapes follow ``target`` (a HF causal LM); ``kwargs`` override defaults."""
+        tc = target.config.get_text_config()
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        rope = getattr(tc, "rope_parameters", None) or {}
+        defaults = dict(
+            target_name_or_path=tc._name_or_path,
+            vocab_size=target.get_output_embeddings().weight.shape[0],
+            hidden_size=tc.hidden_size,
+            target_num_layers=tc.num_hidden_layers,
+            target_layer_ids=spread_layer_ids(tc.num_hidden_layers, num_context_layers),
+            num_attention_heads=tc.num_attention_heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", tc.num_attention_heads),
+            head_dim=head_dim,
+            intermediate_size=tc.intermediate_size,
+            rms_norm_eps=tc.rms_norm_eps,
+            rope_theta=rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0)),
+            max_position_embeddings=tc.max_position_embeddings,
+        )
+        return cls(**{**defaults, **kwargs})
