@@ -118,12 +118,12 @@ def cmd_train(args):
 
 def cmd_calibrate(args):
     from .calibration import SequentialTemperatureScaling, reliability_diagram
-    from .data import sharegpt_prompts
+    from .data import sharegpt_queue
     from .evaluation import collect_rounds
 
     target, tokenizer, drafter = _load(args)
-    prompts = [p for _, p in sharegpt_prompts("calibration")[: args.prompts]]
-    confs, accepted, _ = collect_rounds(target, tokenizer, drafter, prompts, args.max_new_tokens, args.temperature)
+    prompts = [ids for _, _, ids in sharegpt_queue(tokenizer, ("calibration",))[: args.prompts]]
+    confs, accepted, _ = collect_rounds(target, drafter, prompts, args.max_new_tokens, args.temperature)
     sts = SequentialTemperatureScaling().fit(confs, accepted)
     out = Path(args.drafter or DEFAULT_DRAFTER)
     sts.save(out)

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from .data import chat_ids
 from .generation import GenerationStats
 
 
@@ -49,16 +48,17 @@ def timed_generate(target, prompt_ids: list[int], max_new_tokens: int, temperatu
     return Run(tokens=out[0, ids.shape[1]:].tolist(), seconds=seconds, stats=stats)
 
 
-def collect_rounds(target, tokenizer, drafter, prompts: list[str], max_new_tokens: int = 128,
+def collect_rounds(target, drafter, prompts: list[list[int]], max_new_tokens: int = 128,
                    temperature: float = 0.0, block_size: int | None = None, progress: bool = True):
-    """Fixed-length speculative rounds on ``prompts`` (every draft verified, so every label is seen).
+    """Fixed-length speculative rounds on chat-formatted ``prompts`` (token ids; every draft is
+    verified, so every label is seen).
 
     Returns ``(confidences [N, γ], accepted [N], runs)``; ``accepted`` counts drafts, bonus excluded.
     """
     gamma = block_size or drafter.config.block_size
     confs, accepted, runs = [], [], []
     for prompt in tqdm(prompts, desc="speculative rounds", disable=not progress):
-        run = timed_generate(target, chat_ids(tokenizer, prompt), max_new_tokens, temperature, drafter,
+        run = timed_generate(target, prompt, max_new_tokens, temperature, drafter,
                              dspark_verification="fixed", dspark_block_size=gamma)
         c, a = run.stats.full_rounds()
         confs.append(c)
