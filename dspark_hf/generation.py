@@ -26,6 +26,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerationMixin, GenerationMode
 
 from .model import DSparkDrafter
+from .profiling import load_or_profile_sps
 from .scheduler import schedule_prefix, threshold_prefix
 
 from .config import MAX_BLOCK_SIZE, VERIFICATION_MODES
@@ -118,7 +119,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.mode = _setting(generation_config, "dspark_verification", cfg.verification)
         self.threshold = float(_setting(generation_config, "dspark_threshold", cfg.confidence_threshold))
         self._check_mode()
-        self.sps = drafter.sps_curve(target) if self.mode == "scheduler" else None
+        if self.mode == "scheduler" and drafter.sps_curve is None:
+            drafter.set_sps_curve(load_or_profile_sps(target))
+        self.sps = drafter.sps_curve
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
         self.max_length = generation_config.max_length

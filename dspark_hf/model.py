@@ -232,14 +232,11 @@ class DSparkDrafter(PreTrainedModel):
         if self.calibration is not None:
             self.calibration.save(save_directory)
 
-    def sps_curve(self, target):
-        """The target's SPS curve used by the scheduler: set by :meth:`set_sps_curve`, else profiled once
-        (cached on disk, see :func:`dspark_hf.profiling.load_or_profile_sps`)."""
-        if self.__dict__.get("_sps_curve") is None:
-            from .profiling import load_or_profile_sps
-
-            self.__dict__["_sps_curve"] = load_or_profile_sps(target)
-        return self.__dict__["_sps_curve"]
+    @property
+    def sps_curve(self):
+        """The target's SPS curve the scheduler uses: set by :meth:`set_sps_curve`, or profiled (and
+        cached on disk) by the first ``generate`` call in scheduler mode; ``None`` before that."""
+        return self.__dict__.get("_sps_curve")
 
     def set_sps_curve(self, curve):
         """Use ``curve`` (an :class:`~dspark_hf.profiling.SPSCurve`) instead of profiling."""

@@ -106,7 +106,7 @@ def check_stats(drafter, out, prompt_len, max_new, gamma, mode, threshold=THRESH
                 assert r.scheduled == threshold_prefix(r.confidences, threshold)
             else:
                 c = drafter.calibration.apply(torch.tensor(r.confidences))
-                assert r.scheduled == schedule_prefix(c, drafter.sps_curve(None).steps_per_s[: r.drafted + 1])
+                assert r.scheduled == schedule_prefix(c, drafter.sps_curve.steps_per_s[: r.drafted + 1])
         length += r.accepted + 1
     tail = out.shape[1] - length
     # after the last round only a single no-room-to-draft step (one token left) may remain
