@@ -379,8 +379,8 @@ class Method:
 
 
 def modes_of(drafter) -> list[str]:
-    """Verification modes a drafter can run: fixed always; threshold and scheduler need the confidence head."""
-    return ["fixed", "threshold", "scheduler"] if drafter.confidence is not None else ["fixed"]
+    """Verification modes a drafter can run: fixed always; the others need the confidence head."""
+    return ["fixed", "threshold", "scheduler", "async"] if drafter.confidence is not None else ["fixed"]
 
 
 def plan_methods(drafters: dict, adapters: dict, thresholds: dict, settings: BenchSettings) -> list[Method]:

@@ -8,6 +8,8 @@ import platform
 import sys
 from pathlib import Path
 
+from .config import VERIFICATION_MODES
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DRAFTER = REPO_ROOT / "model_cards" / "dspark-smollm2-135m-instruct"
 DEFAULT_TRAIN_CONFIG = REPO_ROOT / "configs" / "dspark-smollm2-135m-instruct.yaml"
@@ -154,7 +156,7 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--gamma", type=int, default=None, help="block size γ (default: the drafter's)")
-    p.add_argument("--verify", choices=["scheduler", "fixed", "threshold"], default=None)
+    p.add_argument("--verify", choices=VERIFICATION_MODES, default=None)
     p.add_argument("--compare", action="store_true", help="also run plain generate and report the speedup")
     p.add_argument("--json", action="store_true")
 

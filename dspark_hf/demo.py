@@ -33,7 +33,7 @@ import torch
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from .config import MAX_BLOCK_SIZE, VERIFICATION_MODES
+from .config import MAX_BLOCK_SIZE, SCHEDULED_MODES, VERIFICATION_MODES
 from .data import chat_ids
 
 # span kinds: text tokens, then the drafts that never made it into the text ("ghosts")
@@ -393,14 +393,9 @@ def legend_html() -> str:
 
 # ------------------------------------------------------------------------------------ running
 def available_modes(drafter) -> list[str]:
-    """Verification modes this drafter supports (``scheduler`` needs calibration, both non-fixed modes
-    need a confidence head)."""
-    modes = ["fixed"]
-    if drafter.confidence is not None:
-        modes.append("threshold")
-        if drafter.calibration is not None:
-            modes.insert(0, "scheduler")
-    return [m for m in VERIFICATION_MODES if m in modes]
+    """Verification modes this drafter supports (``scheduler``/``async`` need calibration, every
+    non-fixed mode needs a confidence head)."""
+    return [m for m in VERIFICATION_MODES if check_mode(drafter, m) is None]
 
 
 def default_mode(drafter) -> str:
@@ -415,8 +410,8 @@ def check_mode(drafter, mode: str) -> str | None:
         return f"Unknown verification mode {mode!r}."
     if mode != "fixed" and drafter.confidence is None:
         return f"This drafter has no confidence head, so {mode!r} verification is unavailable: use 'fixed'."
-    if mode == "scheduler" and drafter.calibration is None:
-        return ("This drafter has no calibration.json, so the scheduler is unavailable: use 'fixed' or "
+    if mode in SCHEDULED_MODES and drafter.calibration is None:
+        return (f"This drafter has no calibration.json, so {mode!r} verification is unavailable: use 'fixed' or "
                 "'threshold', or fit one with `dspark calibrate`.")
     return None
 

@@ -7,8 +7,9 @@ Routing: importing ``dspark_hf`` wraps ``GenerationMixin._get_candidate_generato
 Per-call settings (keyword arguments of ``generate``):
 
 * ``dspark_block_size``: block size γ (default ``drafter.config.block_size``);
-* ``dspark_verification``: ``"scheduler"`` (default, paper Algorithm 1), ``"fixed"`` (verify all γ,
-  the paper's Table 1 protocol) or ``"threshold"`` (verify while c_k >= threshold);
+* ``dspark_verification``: ``"scheduler"`` (default, paper Algorithm 1), ``"async"`` (paper §5.2: the
+  global search without early stop, applied one round later), ``"fixed"`` (verify all γ, the paper's
+  Table 1 protocol) or ``"threshold"`` (verify while c_k >= threshold);
 * ``dspark_threshold``: the threshold of ``"threshold"`` mode (default 0.4).
 
 The defaults come from the drafter's config (``block_size``, ``verification``, ``confidence_threshold``).
@@ -27,9 +28,9 @@ from transformers.generation.utils import GenerationMixin, GenerationMode
 
 from .model import DSparkDrafter
 from .profiling import load_or_profile_sps
-from .scheduler import schedule_prefix, threshold_prefix
+from .scheduler import schedule_global, schedule_prefix, threshold_prefix
 
-from .config import MAX_BLOCK_SIZE, VERIFICATION_MODES
+from .config import MAX_BLOCK_SIZE, SCHEDULED_MODES, VERIFICATION_MODES
 
 
 @dataclass
@@ -99,8 +100,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
     with greedy decoding no logits are returned and the target's argmax decides.
 
     Raises:
-        ValueError: batch size > 1, an unknown verification mode, ``scheduler``/``threshold`` mode
-            without a confidence head, or ``scheduler`` mode without a calibration.
+        ValueError: batch size > 1, an unknown verification mode, a non-``fixed`` mode without a
+            confidence head, or ``scheduler``/``async`` mode without a calibration covering γ.
     """
 
     requires_model_outputs = True
@@ -119,7 +120,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.mode = _setting(generation_config, "dspark_verification", cfg.verification)
         self.threshold = float(_setting(generation_config, "dspark_threshold", cfg.confidence_threshold))
         self._check_mode()
-        if self.mode == "scheduler" and drafter.sps_curve is None:
+        if self.mode in SCHEDULED_MODES and drafter.sps_curve is None:
             drafter.set_sps_curve(load_or_profile_sps(target))
         self.sps = drafter.sps_curve
         self.do_sample = bool(generation_config.do_sample)
@@ -133,6 +134,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.stats = GenerationStats(verification=self.mode)
         drafter.last_stats = self.stats
         self._verify_start = None
+        self._planned_length = None  # "async": ℓ of the next round, planned from this round's confidences
 
     def _check_mode(self):
         if self.mode not in VERIFICATION_MODES:
@@ -144,13 +146,13 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 f"Verification mode {self.mode!r} needs a confidence head, and this drafter has none; "
                 "pass dspark_verification='fixed'."
             )
-        if self.mode == "scheduler" and self.drafter.calibration is None:
+        if self.mode in SCHEDULED_MODES and self.drafter.calibration is None:
             raise ValueError(
-                "The scheduler needs calibrated confidences and this drafter has no calibration.json: run "
+                f"The {self.mode!r} mode needs calibrated confidences and this drafter has no calibration.json: run "
                 "`dspark calibrate`, attach one with `drafter.calibration = SequentialTemperatureScaling(...)`, "
                 "or pass dspark_verification='fixed'."
             )
-        if self.mode == "scheduler" and len(self.drafter.calibration.temperatures) < self.block_size:
+        if self.mode in SCHEDULED_MODES and len(self.drafter.calibration.temperatures) < self.block_size:
             raise ValueError(
                 f"The calibration covers {len(self.drafter.calibration.temperatures)} positions but "
                 f"dspark_block_size is {self.block_size}: lower dspark_block_size or rerun `dspark calibrate` "
@@ -194,13 +196,23 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.drafter.extend_context(self.context, features.to(self.drafter.mask_embedding.device))
 
     def _prefix_length(self, block, gamma: int) -> int:
-        """ℓ in 0..γ by the verification mode (paper §3.2.2 for ``scheduler``)."""
+        """ℓ in 0..γ by the verification mode (paper §3.2.2 for ``scheduler``, §5.2 for ``async``).
+
+        ``async`` verifies the length planned from the PREVIOUS block (the whole block in the first
+        round), then plans the next round from this block: the admission of a draft never depends on
+        the draft itself, so the global search stays lossless (Appendix A).
+        """
         if self.mode == "fixed":
             return gamma
         if self.mode == "threshold":
             return threshold_prefix(block.confidences, self.threshold)
         confidences = self.drafter.calibration.apply(block.confidences.float())
-        return schedule_prefix(confidences, self.sps.steps_per_s[: gamma + 1])
+        sps = self.sps.steps_per_s[: gamma + 1]
+        if self.mode == "scheduler":
+            return schedule_prefix(confidences, sps)
+        length = gamma if self._planned_length is None else min(self._planned_length, gamma)
+        self._planned_length = schedule_global(confidences, sps)
+        return length
 
     def _before_stop_string(self, input_ids, drafts, length: int) -> int:
         """Shorten ℓ so that no draft COMPLETES a stop string.

@@ -25,6 +25,7 @@ import warnings
 from pathlib import Path
 
 from .calibration import CALIBRATION_FILE
+from .config import SCHEDULED_MODES
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 CARD_TEMPLATE = TEMPLATES / "model_card.md"
@@ -183,7 +184,7 @@ def speed_section(bench: dict | None) -> str:
 def calibration_section(calibration: dict | None, has_diagram: bool = False) -> str:
     """The "Confidence calibration" section from ``calibration.json`` (``{"temperatures", "report"}``)."""
     if not calibration:
-        return (f"{NOT_MEASURED} No `calibration.json`: the default `scheduler` verification needs one "
+        return (f"{NOT_MEASURED} No `calibration.json`: the `scheduler` and `async` verification modes need one "
                 "(`dspark calibrate --drafter DIR`); `dspark_verification=\"fixed\"` works without it.")
     temps = calibration.get("temperatures") or []
     text = ("Confidences are calibrated with Sequential Temperature Scaling (paper §3.2.1): position k is "
@@ -439,8 +440,9 @@ def check_card_folder(model_dir: str | Path, repo_id: str) -> None:
                                 f"`dspark card {model_dir} --repo-id {repo_id}` on a saved drafter first.")
     config = json.loads((model_dir / "config.json").read_text())
     _check_modeling_code(model_dir, config)
-    if config.get("verification", "scheduler") == "scheduler" and not (model_dir / CALIBRATION_FILE).is_file():
-        raise FileNotFoundError(f"{model_dir} has no {CALIBRATION_FILE} and its default verification is the scheduler, "
+    mode = config.get("verification", "scheduler")
+    if mode in SCHEDULED_MODES and not (model_dir / CALIBRATION_FILE).is_file():
+        raise FileNotFoundError(f"{model_dir} has no {CALIBRATION_FILE} and its default verification {mode!r} "
                                 f"which needs it: run `dspark calibrate --drafter {model_dir}` first.")
     written_for = card_repo_id(model_dir)
     if written_for != repo_id:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["prefix_survival", "schedule_prefix", "schedule_batch", "threshold_prefix"]
+__all__ = ["prefix_survival", "schedule_prefix", "schedule_global", "schedule_batch", "threshold_prefix"]
 
 
 def _as_tensor(confidences: torch.Tensor | Sequence[float]) -> torch.Tensor:
@@ -111,6 +111,30 @@ def schedule_prefix(confidences: torch.Tensor | Sequence[float], sps: Sequence[f
         if theta <= best:
             break
         best, length = theta, j
+    return length
+
+
+def schedule_global(confidences: torch.Tensor | Sequence[float], sps: Sequence[float]) -> int:
+    """``argmax_ℓ Θ(ℓ)`` over every ``ℓ``, without the early stop (paper §5.2, asynchronous scheduler).
+
+    The unconstrained search steps over cliffs in a jagged SPS curve (e.g. a CPU where verifying 2
+    tokens costs more than verifying 8) that stop Algorithm 1 at ``ℓ = 0``. It leaks the drafts into
+    their own admission (Appendix A), so its result must only be applied to a LATER block: the
+    ``"async"`` verification mode plans round ``t + 1`` with the confidences of round ``t``.
+
+    Args / Raises: as :func:`schedule_prefix`.
+
+    Returns:
+        ``ℓ`` in ``0 .. min(γ, len(sps) - 1)`` maximising ``(1 + sum_{j<=ℓ} a[j]) · SPS(1 + ℓ)``;
+        ties go to the shorter prefix.
+    """
+    a = _survival_list(confidences)
+    table = _sps_list(sps)
+    tau, best, length = 1.0, table[0], 0
+    for j, a_j in enumerate(a[: len(table) - 1], start=1):
+        tau += a_j
+        if tau * table[j] > best:
+            best, length = tau * table[j], j
     return length
 
 

@@ -146,7 +146,7 @@ def test_runner_end_to_end(tmp_path):
     assert len(result["confidence"]["dspark"]["suites"]["all"]["threshold_sweep"]) == 10
     wall = result["wall_clock"]
     assert wall["methods"][:3] == ["plain", "prompt-lookup", "dflash:builtin-dflash"]
-    assert {"dspark:fixed", "dspark:scheduler", "dspark-rnn:scheduler", "dflash:fixed"} <= set(wall["methods"])
+    assert {"dspark:fixed", "dspark:scheduler", "dspark:async", "dspark-rnn:async", "dflash:fixed"} <= set(wall["methods"])
     assert ("dspark:threshold" in wall["methods"]) == (result["confidence"]["dspark"]["best_threshold"] is not None)
     assert wall["mismatches_total"] == 0, wall["mismatches"]  # greedy speculative output == plain generate
     assert result["builtin_dflash"]["status"] == "adapted"

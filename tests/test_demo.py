@@ -165,6 +165,7 @@ def test_unavailable_scheduler_is_explained(tiny):
     assert available_modes(tiny.drafter) == ["fixed", "threshold"]
     assert default_mode(tiny.drafter) == "threshold"
     assert "calibration" in check_mode(tiny.drafter, "scheduler")
+    assert "calibration" in check_mode(tiny.drafter, "async")
 
 
 def test_cli_registers_demo(monkeypatch):

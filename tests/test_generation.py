@@ -24,10 +24,10 @@ from transformers.generation.streamers import BaseStreamer
 import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
 from conftest import CYCLE_VOCAB, LLAMA_DEFAULT_TOKENS, cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
 from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling
-from dspark_hf.scheduler import schedule_prefix, threshold_prefix
+from dspark_hf.scheduler import schedule_global, schedule_prefix, threshold_prefix
 
 HEADS = ("none", "markov", "rnn")
-MODES = ("fixed", "threshold", "scheduler")
+MODES = ("fixed", "threshold", "scheduler", "async")
 GAMMAS = (1, 4, 7, 16)
 V, D = CYCLE_VOCAB, CYCLE_VOCAB  # greedy target: vocab = width, so the embedding rows can be orthonormal
 N_PROMPTS, MAX_NEW = 20, 12
@@ -95,6 +95,7 @@ def check_stats(drafter, out, prompt_len, max_new, gamma, mode, threshold=THRESH
     stats = drafter.last_stats
     max_length = prompt_len + max_new
     length = prompt_len + 1  # the prefill step emits the first token; no round is recorded for it
+    planned = None  # "async": ℓ planned by the previous round (paper §5.2)
     for r in stats.rounds:
         assert r.drafted == min(gamma, max_length - length - 1) >= 1
         assert 0 <= r.accepted <= r.scheduled <= r.drafted
@@ -106,7 +107,12 @@ def check_stats(drafter, out, prompt_len, max_new, gamma, mode, threshold=THRESH
                 assert r.scheduled == threshold_prefix(r.confidences, threshold)
             else:
                 c = drafter.calibration.apply(torch.tensor(r.confidences))
-                assert r.scheduled == schedule_prefix(c, drafter.sps_curve.steps_per_s[: r.drafted + 1])
+                sps = drafter.sps_curve.steps_per_s[: r.drafted + 1]
+                if mode == "scheduler":
+                    assert r.scheduled == schedule_prefix(c, sps)
+                else:
+                    assert r.scheduled == (r.drafted if planned is None else min(planned, r.drafted))
+                    planned = schedule_global(c, sps)
         length += r.accepted + 1
     tail = out.shape[1] - length
     # after the last round only a single no-room-to-draft step (one token left) may remain
@@ -354,6 +360,8 @@ def test_scheduler_without_calibration_names_dspark_calibrate(target, prompts, f
     drafter.calibration = None
     _raises_before_compute(forward_calls, "dspark calibrate",
                            lambda: generate(target, prompts[1], drafter, "scheduler", 4))
+    _raises_before_compute(forward_calls, "dspark calibrate",
+                           lambda: generate(target, prompts[1], drafter, "async", 4))
     # the config's default verification mode is "scheduler" too
     _raises_before_compute(forward_calls, "dspark calibrate",
                            lambda: target.generate(prompts[1], max_new_tokens=4, assistant_model=drafter))
@@ -361,7 +369,7 @@ def test_scheduler_without_calibration_names_dspark_calibrate(target, prompts, f
     generate(target, prompts[1], drafter, "threshold", 4)
 
 
-@pytest.mark.parametrize("mode", ["scheduler", "threshold"])
+@pytest.mark.parametrize("mode", ["scheduler", "async", "threshold"])
 def test_mode_without_confidence_head_raises(target, prompts, forward_calls, mode):
     drafter = ready_cycle_drafter(target, "markov", confidence_head=False)
     assert drafter.confidence is None
@@ -390,7 +398,7 @@ def test_drafter_for_other_vocab_raises_at_generate(target, prompts, forward_cal
                            lambda: generate(target, prompts[1], drafter, "fixed", 4))
 
 
-@pytest.mark.parametrize(("mode", "extra"), [("threshold", {"dspark_threshold": 1.5}), ("scheduler", {})])
+@pytest.mark.parametrize(("mode", "extra"), [("threshold", {"dspark_threshold": 1.5}), ("scheduler", {}), ("async", {})])
 def test_bad_threshold_or_short_calibration_raise_before_compute(target, prompts, forward_calls, mode, extra):
     drafter = ready_cycle_drafter(target, "markov")
     drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * 7)  # fitted on γ = 7 rounds
@@ -504,15 +512,16 @@ def sample_tables(target, prompt, drafter, mode, n):
         t1, t2, t3 = out[0, 3:6].tolist()
         first_pair[t1, t2] += 1
         second_pair[t2, t3] += 1
-        first = drafter.last_stats.rounds[0]
-        assert first.drafted == 2
-        accepting += first.accepted >= 1
-        verifying += first.scheduled >= 1
-        lengths.add(first.scheduled)
+        rounds = drafter.last_stats.rounds
+        assert rounds[0].drafted == 2
+        accepting += rounds[0].accepted >= 1
+        verifying += rounds[0].scheduled >= 1
+        # "async" verifies all of round 1 and plans round 2 from it; the other modes decide in round 1
+        lengths |= {r.scheduled for r in (rounds[1:] if mode == "async" else rounds[:1])}
     return (first_pair, second_pair), accepting / max(verifying, 1), lengths
 
 
-@pytest.mark.parametrize(("mode", "draft_vocab"), [("fixed", None), ("threshold", 6), ("scheduler", None)])
+@pytest.mark.parametrize(("mode", "draft_vocab"), [("fixed", None), ("threshold", 6), ("scheduler", None), ("async", None)])
 def test_sampling_is_exact(sampling_setup, mode, draft_vocab):
     target, prompt, laws = sampling_setup
     drafter = sampling_drafter(target, draft_vocab)

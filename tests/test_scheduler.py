@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dspark_hf.scheduler import prefix_survival, schedule_batch, schedule_prefix, threshold_prefix
+from dspark_hf.scheduler import prefix_survival, schedule_batch, schedule_global, schedule_prefix, threshold_prefix
 
 # Worked example for R = 2: SPS(1..8); SPS(1) is never read because B starts at R = 2.
 WORKED_SPS = [1.0, 1.0, 0.95, 0.9, 0.85, 0.5, 0.45, 0.4]
@@ -26,19 +26,24 @@ def test_schedule_batch_worked_example():
     assert sum(1 + ell for ell in lengths) == 5  # B
 
 
-def global_search(c, sps):
-    """The retrospective search of Appendix A: argmax over every ℓ, no early stop."""
-    a = prefix_survival(c).tolist()
-    thetas = [(1 + sum(a[:ell])) * sps[ell] for ell in range(len(a) + 1)]
-    return max(range(len(thetas)), key=thetas.__getitem__)
-
-
 @pytest.mark.parametrize(("c2", "global_choice"), [(0.0, 0), (0.3, 0), (0.9, 2), (1.0, 2)])
 def test_appendix_a_early_stop_ignores_second_confidence(c2, global_choice):
     # Θ0 = 1.0 > Θ1 = 0.9 stops before c2 is read, whatever c2 is.
-    assert global_search([0.8, c2], APPENDIX_SPS) == global_choice
+    assert schedule_global([0.8, c2], APPENDIX_SPS) == global_choice
     assert schedule_prefix([0.8, c2], APPENDIX_SPS) == 0
     assert schedule_batch([[0.8, c2]], APPENDIX_SPS) == [0]
+
+
+# SPS(1..8) measured on the 2-core CPU of docs/benchmarks.json: verifying 2-3 tokens is slower than 8.
+CPU_SPS = [15.5, 8.0, 7.0, 9.7, 9.3, 8.3, 6.7, 11.4]
+
+
+def test_global_search_crosses_an_sps_cliff():
+    c = [0.6] * 7  # a = 0.6, 0.36, 0.216, ...: τ(7) = 2.459
+    assert schedule_prefix(c, CPU_SPS) == 0  # Θ(1) = 1.6 · 8.0 = 12.8 <= Θ(0) = 15.5: early stop
+    assert schedule_global(c, CPU_SPS) == 7  # Θ(7) = 2.459 · 11.4 = 28.0 is the maximum
+    assert schedule_global([0.1] * 7, CPU_SPS) == 0  # Θ(7) = 1.111 · 11.4 = 12.7 < 15.5
+    assert schedule_global([1.0, 0.0, 0.5], [1.0, 1.0, 1.0, 1.0]) == 1  # ties go to the shorter prefix
 
 
 def test_flat_sps_admits_every_positive_survival():
