@@ -66,6 +66,9 @@ def cmd_generate(args):
     settings = {"dspark_verification": args.verify, "dspark_block_size": args.gamma}
     settings = {k: v for k, v in settings.items() if v is not None}
     streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True)
+    if args.compare:  # one short untimed run of each first, so neither timing pays first-call costs
+        timed_generate(target, prompt_ids, 8, args.temperature, drafter, **settings)
+        timed_generate(target, prompt_ids, 8, args.temperature)
     run = timed_generate(target, prompt_ids, args.max_new_tokens, args.temperature, drafter, streamer, **settings)
     result = {
         "text": tokenizer.decode(run.tokens, skip_special_tokens=True),

@@ -43,7 +43,7 @@ class DSparkConfig(PreTrainedConfig):
         draft_vocab_size: size of the drafter's output vocabulary (most frequent target tokens;
             ``None`` = the full target vocabulary). The ids themselves are a checkpoint buffer.
         verification: default verification mode in ``generate``: ``"scheduler"`` (Algorithm 1),
-            ``"async"`` (the §5.2 global search, planned one round ahead), ``"fixed"`` or ``"threshold"``.
+            ``"async"`` (the §5.2 global search on the previous block's confidences), ``"fixed"`` or ``"threshold"``.
         confidence_threshold: default threshold of the ``"threshold"`` mode.
 
     Raises:

@@ -8,7 +8,7 @@ Per-call settings (keyword arguments of ``generate``):
 
 * ``dspark_block_size``: block size γ (default ``drafter.config.block_size``);
 * ``dspark_verification``: ``"scheduler"`` (default, paper Algorithm 1), ``"async"`` (paper §5.2: the
-  global search without early stop, applied one round later), ``"fixed"`` (verify all γ, the paper's
+  global search without early stop, on confidences that no draft of the block depends on), ``"fixed"`` (verify all γ, the paper's
   Table 1 protocol) or ``"threshold"`` (verify while c_k >= threshold);
 * ``dspark_threshold``: the threshold of ``"threshold"`` mode (default 0.4).
 
@@ -134,7 +134,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.stats = GenerationStats(verification=self.mode)
         drafter.last_stats = self.stats
         self._verify_start = None
-        self._planned_length = None  # "async": ℓ of the next round, planned from this round's confidences
+        self._previous = None  # "async": calibrated confidences of the previous block
 
     def _check_mode(self):
         if self.mode not in VERIFICATION_MODES:
@@ -198,9 +198,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
     def _prefix_length(self, block, gamma: int) -> int:
         """ℓ in 0..γ by the verification mode (paper §3.2.2 for ``scheduler``, §5.2 for ``async``).
 
-        ``async`` verifies the length planned from the PREVIOUS block (the whole block in the first
-        round), then plans the next round from this block: the admission of a draft never depends on
-        the draft itself, so the global search stays lossless (Appendix A).
+        ``async`` runs the global search (:func:`schedule_global`) on ``[c_1, c'_2, ..., c'_γ]``: ``c_1``
+        of this block, which depends only on the anchor and the context (not on any draft), and
+        ``c'_k`` of the PREVIOUS block, so no draft's admission depends on a draft of its own block
+        and the search stays lossless (Appendix A). The first round verifies the whole block.
         """
         if self.mode == "fixed":
             return gamma
@@ -210,9 +211,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
         sps = self.sps.steps_per_s[: gamma + 1]
         if self.mode == "scheduler":
             return schedule_prefix(confidences, sps)
-        length = gamma if self._planned_length is None else min(self._planned_length, gamma)
-        self._planned_length = schedule_global(confidences, sps)
-        return length
+        previous, self._previous = self._previous, confidences
+        if previous is None:
+            return gamma
+        return schedule_global(torch.cat([confidences[:1], previous[1:gamma]]), sps)
 
     def _before_stop_string(self, input_ids, drafts, length: int) -> int:
         """Shorten ℓ so that no draft COMPLETES a stop string.

@@ -119,8 +119,9 @@ def schedule_global(confidences: torch.Tensor | Sequence[float], sps: Sequence[f
 
     The unconstrained search steps over cliffs in a jagged SPS curve (e.g. a CPU where verifying 2
     tokens costs more than verifying 8) that stop Algorithm 1 at ``ℓ = 0``. It leaks the drafts into
-    their own admission (Appendix A), so its result must only be applied to a LATER block: the
-    ``"async"`` verification mode plans round ``t + 1`` with the confidences of round ``t``.
+    their own admission (Appendix A), so it must only see confidences that no draft of the block
+    being verified depends on: the ``"async"`` verification mode passes ``c_1`` of that block (a
+    function of the anchor and context only) and ``c_2..c_γ`` of the previous block.
 
     Args / Raises: as :func:`schedule_prefix`.
 

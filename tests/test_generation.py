@@ -95,7 +95,7 @@ def check_stats(drafter, out, prompt_len, max_new, gamma, mode, threshold=THRESH
     stats = drafter.last_stats
     max_length = prompt_len + max_new
     length = prompt_len + 1  # the prefill step emits the first token; no round is recorded for it
-    planned = None  # "async": ℓ planned by the previous round (paper §5.2)
+    previous = None  # "async": calibrated confidences of the previous round (paper §5.2)
     for r in stats.rounds:
         assert r.drafted == min(gamma, max_length - length - 1) >= 1
         assert 0 <= r.accepted <= r.scheduled <= r.drafted
@@ -111,8 +111,9 @@ def check_stats(drafter, out, prompt_len, max_new, gamma, mode, threshold=THRESH
                 if mode == "scheduler":
                     assert r.scheduled == schedule_prefix(c, sps)
                 else:
-                    assert r.scheduled == (r.drafted if planned is None else min(planned, r.drafted))
-                    planned = schedule_global(c, sps)
+                    expected = r.drafted if previous is None else schedule_global(torch.cat([c[:1], previous[1:]]), sps)
+                    assert r.scheduled == expected
+                    previous = c
         length += r.accepted + 1
     tail = out.shape[1] - length
     # after the last round only a single no-room-to-draft step (one token left) may remain
