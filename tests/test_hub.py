@@ -199,6 +199,12 @@ def test_dspark_bench_results_are_summarised():
     assert "- cpu: Some CPU" in speed and "dspark bench --out docs" in speed and "Date: 2026-11-29" in speed
     assert "**greedy outputs that differ from plain generate**: 0" in speed and "| gamma | 7 |" in speed
     assert "per_prompt" not in speed and "runtime_s" not in speed and hub.measured_on_cpu(result)
+    compare = {"command": "python scripts/compare_generate.py --n 10", "modes": {
+        "scheduler": {"median_speedup": 1.07, "median_tau": 1.5, "identical": 10, "prompts": 10, "runs": [{"id": "x"}]}}}
+    speed = hub.speed_section(result, compare)
+    assert speed.index("dspark generate --compare") < speed.index("*greedy*")
+    assert "| scheduler | 1.07 | 1.50 | 10 | 10 |" in speed and "compare_generate.py --n 10" in speed
+    assert '"id"' not in speed and "| x |" not in speed
 
 
 def test_card_rejects_a_target_that_is_not_a_hub_id(saved):
