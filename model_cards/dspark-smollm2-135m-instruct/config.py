@@ -5,7 +5,8 @@ from __future__ import annotations
 from transformers import PreTrainedConfig
 
 SEQUENTIAL_HEADS = ("none", "markov", "rnn")
-VERIFICATION_MODES = ("scheduler", "fixed", "threshold")
+VERIFICATION_MODES = ("scheduler", "async", "fixed", "threshold")
+SCHEDULED_MODES = ("scheduler", "async")  # modes that read calibrated confidences and the SPS curve
 MAX_BLOCK_SIZE = 16
 
 
@@ -42,7 +43,7 @@ class DSparkConfig(PreTrainedConfig):
         draft_vocab_size: size of the drafter's output vocabulary (most frequent target tokens;
             ``None`` = the full target vocabulary). The ids themselves are a checkpoint buffer.
         verification: default verification mode in ``generate``: ``"scheduler"`` (Algorithm 1),
-            ``"fixed"`` or ``"threshold"``.
+            ``"async"`` (the §5.2 global search on the previous block's confidences), ``"fixed"`` or ``"threshold"``.
         confidence_threshold: default threshold of the ``"threshold"`` mode.
 
     Raises:
