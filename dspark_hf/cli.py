@@ -65,7 +65,7 @@ def cmd_generate(args):
     prompt_ids = chat_ids(tokenizer, args.prompt)
     settings = {"dspark_verification": args.verify, "dspark_block_size": args.gamma}
     settings = {k: v for k, v in settings.items() if v is not None}
-    streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True)
+    streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     if args.compare:  # one short untimed run of each first, so neither timing pays first-call costs
         timed_generate(target, prompt_ids, 8, args.temperature, drafter, **settings)
         timed_generate(target, prompt_ids, 8, args.temperature)

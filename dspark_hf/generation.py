@@ -7,7 +7,7 @@ Routing: importing ``dspark_hf`` wraps ``GenerationMixin._get_candidate_generato
 Per-call settings (keyword arguments of ``generate``):
 
 * ``dspark_block_size``: block size γ (default ``drafter.config.block_size``);
-* ``dspark_verification``: ``"scheduler"`` (default, paper Algorithm 1), ``"async"`` (paper §5.2: the
+* ``dspark_verification``: ``"scheduler"`` (paper Algorithm 1; the default of a new ``DSparkConfig``), ``"async"`` (paper §5.2: the
   global search without early stop, on confidences that no draft of the block depends on), ``"fixed"`` (verify all γ, the paper's
   Table 1 protocol) or ``"threshold"`` (verify while c_k >= threshold);
 * ``dspark_threshold``: the threshold of ``"threshold"`` mode (default 0.4).
