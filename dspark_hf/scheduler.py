@@ -100,18 +100,27 @@ def schedule_prefix(confidences: torch.Tensor | Sequence[float], sps: Sequence[f
     Raises:
         ValueError: empty input, ``confidences`` not 1-D or outside ``[0, 1]``, ``sps`` not positive.
     """
+    best, length = None, 0
+    for j, a_j, theta in _throughputs(confidences, sps):
+        if best is None:
+            best = theta
+        elif a_j <= 0 or theta <= best:
+            break
+        else:
+            best, length = theta, j
+    return length
+
+
+def _throughputs(confidences, sps):
+    """``(ℓ, a[ℓ], Θ(ℓ))`` for ``ℓ = 0 .. min(γ, len(sps) - 1)``, ``Θ(ℓ) = (1 + sum_{j<=ℓ} a[j]) · SPS(1 + ℓ)``
+    (``a[0] = 1``); validates both inputs first."""
     a = _survival_list(confidences)
     table = _sps_list(sps)
-    tau, best, length = 1.0, table[0], 0
+    tau = 1.0
+    yield 0, 1.0, table[0]
     for j, a_j in enumerate(a[: len(table) - 1], start=1):
-        if a_j <= 0:
-            break
         tau += a_j
-        theta = tau * table[j]  # SPS(1 + j)
-        if theta <= best:
-            break
-        best, length = theta, j
-    return length
+        yield j, a_j, tau * table[j]
 
 
 def schedule_global(confidences: torch.Tensor | Sequence[float], sps: Sequence[float]) -> int:
@@ -129,14 +138,7 @@ def schedule_global(confidences: torch.Tensor | Sequence[float], sps: Sequence[f
         ``ℓ`` in ``0 .. min(γ, len(sps) - 1)`` maximising ``(1 + sum_{j<=ℓ} a[j]) · SPS(1 + ℓ)``;
         ties go to the shorter prefix.
     """
-    a = _survival_list(confidences)
-    table = _sps_list(sps)
-    tau, best, length = 1.0, table[0], 0
-    for j, a_j in enumerate(a[: len(table) - 1], start=1):
-        tau += a_j
-        if tau * table[j] > best:
-            best, length = tau * table[j], j
-    return length
+    return max(_throughputs(confidences, sps), key=lambda step: step[2])[0]  # max keeps the first (shortest) tie
 
 
 def schedule_batch(
