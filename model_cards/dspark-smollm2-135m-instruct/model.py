@@ -235,7 +235,7 @@ class DSparkDrafter(PreTrainedModel):
     @property
     def sps_curve(self):
         """The target's SPS curve the scheduler uses: set by :meth:`set_sps_curve`, or profiled (and
-        cached on disk) by the first ``generate`` call in scheduler mode; ``None`` before that."""
+        cached on disk) by the first ``generate`` call in ``scheduler`` or ``async`` mode; ``None`` before that."""
         return self.__dict__.get("_sps_curve")
 
     def set_sps_curve(self, curve):
