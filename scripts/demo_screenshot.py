@@ -2,7 +2,8 @@
 
     python scripts/demo_screenshot.py --mode async --out docs/demo.png
 
-Starts the demo on a free local port, drives it with Playwright (Debian's chromium), runs one
+Needs `pip install -e .[dev]` (Playwright) and Debian's chromium, as `.ci/run` installs them. Starts the
+demo on a free local port, drives it with Playwright, runs one
 prompt with the side-by-side plain `generate` enabled and saves a full-page screenshot.
 """
 
