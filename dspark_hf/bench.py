@@ -555,6 +555,7 @@ def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps
     Returns:
         ``(result, raw)``: the JSON-ready result and the raw records the plots need.
     """
+    from .kernels import linear_kernels
     from .profiling import load_or_profile_sps
 
     notes = list(notes or [])
@@ -620,7 +621,7 @@ def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps
 
     result = {
         "schema_version": SCHEMA_VERSION,
-        "machine": machine_info(command),
+        "machine": {**machine_info(command), "linear_kernels": linear_kernels(target)},
         "settings": {**asdict(settings), "thresholds": list(settings.thresholds),
                      "math_filter": {"keywords_or_arithmetic": MATH_PATTERN.pattern, "excluded": NOT_MATH_PATTERN.pattern,
                                      "max_chars": MATH_MAX_CHARS}},
@@ -782,7 +783,8 @@ def markdown_report(result: dict) -> str:
         "",
         f"`{m['command']}`  ",
         f"{m['date']} · {m['cpu']} · {m['cores']} cores ({m['torch_threads']} torch threads) · torch {m['torch']} · "
-        f"transformers {m['transformers']} · runtime {result['runtime_s'] / 60:.1f} min",
+        f"transformers {m['transformers']} · linear kernels: {m.get('linear_kernels', 'stock')} · "
+        f"runtime {result['runtime_s'] / 60:.1f} min",
         "",
         f"γ = {s['gamma']}, {s['max_new_tokens']} new tokens, up to {s['limit']} prompts per suite "
         f"(≤ {s['max_prompt_tokens']} prompt tokens): "
@@ -955,7 +957,7 @@ def _json_safe(value):
 
 # ------------------------------------------------------------------------------------------ CLI
 def cmd_bench(args):
-    from .target import load_target
+    from .cli import load_cli_target
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -965,7 +967,7 @@ def cmd_bench(args):
     names = args.suites.split(",") if args.suites else (["custom"] if args.prompts else list(SUITES))
     if args.prompts and "custom" not in names:
         names.append("custom")
-    target, tokenizer = load_target(args.target)
+    target, tokenizer = load_cli_target(args)
     drafters, notes = load_drafters(parse_drafters(args.drafters), target, settings.gamma)
     if not drafters:
         sys.exit("No drafter found; pass --drafters name=PATH,... (see `dspark bench --help`).")
@@ -992,7 +994,8 @@ def cmd_bench(args):
 
 def add_cli(sub, command):
     """Register ``dspark bench`` (see cli.main)."""
-    p = command("bench", cmd_bench, "τ, acceptance, confidence and wall-clock benchmarks (JSON, Markdown, PNG)")
+    p = command("bench", cmd_bench, "τ, acceptance, confidence and wall-clock benchmarks (JSON, Markdown, PNG)",
+                kernels=True)
     p.add_argument("--drafters", default=DEFAULT_DRAFTERS,
                    help="name=PATH,... (missing folders are skipped with a note); names 'dspark' and 'dflash' "
                         f"give tau_ratio_dspark_over_dflash (default: {DEFAULT_DRAFTERS})")

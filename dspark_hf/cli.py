@@ -15,11 +15,17 @@ DEFAULT_DRAFTER = REPO_ROOT / "model_cards" / "dspark-smollm2-135m-instruct"
 DEFAULT_TRAIN_CONFIG = REPO_ROOT / "configs" / "dspark-smollm2-135m-instruct.yaml"
 
 
-def _load(args, need_drafter: bool = True):
-    from .model import DSparkDrafter
+def load_cli_target(args):
+    """``(target, tokenizer)`` for ``--target``, on oneDNN-prepacked CPU kernels unless ``--stock-kernels``."""
     from .target import load_target
 
-    target, tokenizer = load_target(args.target)
+    return load_target(args.target, prepack=False if getattr(args, "stock_kernels", False) else None)
+
+
+def _load(args, need_drafter: bool = True):
+    from .model import DSparkDrafter
+
+    target, tokenizer = load_cli_target(args)
     drafter = None
     if need_drafter:
         path = args.drafter or DEFAULT_DRAFTER
@@ -93,9 +99,8 @@ def cmd_generate(args):
 
 def cmd_profile(args):
     from .profiling import load_or_profile_sps
-    from .target import load_target
 
-    target, _ = load_target(args.target)
+    target, _ = load_cli_target(args)
     curve = load_or_profile_sps(target, max_tokens=args.max_tokens, context_len=args.context_len)
     if args.json:
         print(curve.to_json())
@@ -143,18 +148,22 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="dspark", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def command(name, fn, help, drafter=False):
+    def command(name, fn, help, drafter=False, kernels=False):
         p = sub.add_parser(name, help=help)
         p.set_defaults(fn=fn)
         p.add_argument("--target", default=None, help="target model (Hub id or folder); default: bundled SmolLM2-135M-Instruct")
         if drafter:
             p.add_argument("--drafter", default=None, help=f"drafter folder or Hub id (default {DEFAULT_DRAFTER.name})")
+        if kernels:
+            p.add_argument("--stock-kernels", action="store_true",
+                           help="run the target's linear layers on torch's stock CPU kernels instead of oneDNN "
+                                "prepacked ones (dspark_hf.kernels; prepacking is the default where torch has oneDNN)")
         return p
 
     p = command("info", cmd_info, "versions, default target and cache paths")
     p.add_argument("--json", action="store_true")
 
-    p = command("generate", cmd_generate, "generate with DSpark speculative decoding", drafter=True)
+    p = command("generate", cmd_generate, "generate with DSpark speculative decoding", drafter=True, kernels=True)
     p.add_argument("prompt")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -163,7 +172,7 @@ def main(argv=None):
     p.add_argument("--compare", action="store_true", help="also run plain generate and report the speedup")
     p.add_argument("--json", action="store_true")
 
-    p = command("profile", cmd_profile, "measure (or show the cached) SPS curve of the target")
+    p = command("profile", cmd_profile, "measure (or show the cached) SPS curve of the target", kernels=True)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--context-len", type=int, default=256)
     p.add_argument("--json", action="store_true")

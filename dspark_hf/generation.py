@@ -26,6 +26,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerationMixin, GenerationMode
 
+from .kernels import is_prepacked, prepack_linears
 from .model import DSparkDrafter
 from .profiling import load_or_profile_sps
 from .scheduler import schedule_global, schedule_prefix, threshold_prefix
@@ -113,6 +114,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 "call generate once per prompt."
             )
         self.drafter = drafter.bind(target)
+        if is_prepacked(target):  # the drafter runs the same CPU kernels as its target (no-op when done)
+            prepack_linears(self.drafter)
         cfg = drafter.config
         self.block_size = int(_setting(generation_config, "dspark_block_size", cfg.block_size))
         if not 1 <= self.block_size <= MAX_BLOCK_SIZE:

@@ -26,6 +26,7 @@ from transformers.utils.hub import cached_file
 
 from .calibration import CALIBRATION_FILE, SequentialTemperatureScaling
 from .config import DSparkConfig
+from .kernels import PackedWeight, is_prepacked
 from .heads import ConfidenceHead, MarkovHead, RNNHead
 
 
@@ -276,7 +277,8 @@ class DSparkDrafter(PreTrainedModel):
         self.__dict__["_bound_target"] = target
         with torch.no_grad():
             rows = head.weight if self.draft_vocab.numel() == head.weight.shape[0] else head.weight[self.draft_vocab]
-        self.__dict__["_shared"] = (embed, rows.detach())
+        packed = PackedWeight(rows) if is_prepacked(head) else None  # CPU: the target's kernels (dspark_hf.kernels)
+        self.__dict__["_shared"] = (embed, rows.detach(), packed)
         return self
 
     def _require_bound(self):
@@ -291,7 +293,8 @@ class DSparkDrafter(PreTrainedModel):
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``U_k``: drafter states ``[..., d]`` -> draft-vocabulary logits ``[..., V']`` (frozen lm_head rows)."""
         self._require_bound()
-        return hidden @ self.__dict__["_shared"][1].T
+        _, rows, packed = self.__dict__["_shared"]
+        return hidden @ rows.T if packed is None else packed.linear(hidden, rows)
 
     # --------------------------------------------------------------------------------- backbone
     def encode_context(self, features: torch.Tensor) -> torch.Tensor:

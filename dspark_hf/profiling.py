@@ -28,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from dspark_hf.kernels import linear_kernels
 from dspark_hf.target import cache_root
 
 __all__ = ["SPSCurve", "device_name", "load_or_profile_sps", "profile_sps", "sps_cache_path", "time_verify_step"]
@@ -50,6 +51,8 @@ class SPSCurve:
         torch_version: ``torch.__version__`` at measurement time.
         context_len: tokens already in the KV cache while timing.
         n_params: number of target parameters (tells apart unnamed models of different sizes).
+        linear_kernels: ``"stock"`` or ``"onednn-prepacked"`` (:func:`~dspark_hf.kernels.prepack_linears`
+            flattens the CPU curve, so it is part of what a curve was measured on).
         smoothed: whether :meth:`smooth` has been applied.
 
     Raises:
@@ -63,6 +66,7 @@ class SPSCurve:
     torch_version: str
     context_len: int  # tokens in the KV cache while timing
     n_params: int
+    linear_kernels: str = "stock"  # or "onednn-prepacked" (dspark_hf.kernels); older files: stock
     smoothed: bool = False  # running minimum applied (monotone non-increasing in B)
 
     def __post_init__(self) -> None:
@@ -126,6 +130,7 @@ def _describe(target: torch.nn.Module) -> dict:
         "dtype": str(param.dtype).removeprefix("torch."),
         "torch_version": torch.__version__,
         "n_params": sum(p.numel() for p in target.parameters()),
+        "linear_kernels": linear_kernels(target),
     }
 
 
@@ -218,7 +223,8 @@ def sps_cache_path(target: torch.nn.Module, max_tokens: int = 32, context_len: i
     """Where the SPS curve of ``target`` on its current device is stored.
 
     ``cache_root() / "sps" / "<name>-<dtype>-ctx<context_len>-b<max_tokens>-<hash>.json"``; the hash
-    covers target name, parameter count, device name, dtype, torch version, context_len and max_tokens.
+    covers target name, parameter count, device name, dtype, torch version, linear kernels, context_len
+    and max_tokens.
     ``cache_root()`` follows ``HF_HOME`` at call time.
     """
     key = {**_describe(target), "context_len": context_len, "max_tokens": max_tokens}

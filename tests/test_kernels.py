@@ -1,0 +1,80 @@
+"""oneDNN prepacked linears: same values as F.linear, never stale, autograd intact, and lossless DSpark on them."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_llama, tiny_sps_curve
+
+from dspark_hf import DSparkConfig, DSparkDrafter
+from dspark_hf.kernels import PackedWeight, is_prepacked, linear_kernels, prepack_linears
+from dspark_hf.profiling import sps_cache_path
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 9])
+def test_packed_linear_matches_f_linear(rows):
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(48, 32), torch.randn(48), torch.randn(1, rows, 32)
+    out = PackedWeight(weight).linear(x, weight, bias)
+    assert out.shape == (1, rows, 48)
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=0, atol=1e-5)
+
+
+def test_weight_updated_in_place_is_repacked():
+    torch.manual_seed(0)
+    weight, x = torch.randn(16, 8), torch.randn(3, 8)
+    packed = PackedWeight(weight)
+    weight.mul_(-2.0)  # bumps the tensor version: the packed copy is stale
+    torch.testing.assert_close(packed.linear(x, weight), F.linear(x, weight), rtol=0, atol=1e-5)
+
+
+def test_prepacked_module_keeps_autograd_and_values():
+    torch.manual_seed(0)
+    stock = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    packed = prepack_linears(copy.deepcopy(stock))
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x), stock(x), rtol=0, atol=1e-5)
+    packed(x).sum().backward()
+    stock(x).sum().backward()
+    torch.testing.assert_close(packed[0].weight.grad, stock[0].weight.grad)
+    with torch.no_grad():
+        packed[0].weight.add_(1.0)
+        stock[0].weight.add_(1.0)
+        torch.testing.assert_close(packed(x), stock(x), rtol=0, atol=1e-5)
+
+
+def test_prepack_marks_the_model_and_is_idempotent():
+    model = tiny_llama(32, 16, 1)
+    assert linear_kernels(model) == "stock"
+    assert prepack_linears(prepack_linears(model)) is model
+    assert is_prepacked(model) and linear_kernels(model) == "onednn-prepacked"
+
+
+def test_unsupported_dtype_raises_naming_the_fix():
+    with pytest.raises(ValueError, match="float32/bfloat16 CPU"):
+        prepack_linears(torch.nn.Linear(4, 4).to(torch.float16))
+
+
+def test_sps_cache_tells_kernels_apart():
+    stock = tiny_llama(32, 16, 1, name="tiny")
+    packed = prepack_linears(tiny_llama(32, 16, 1, name="tiny"))
+    assert sps_cache_path(stock) != sps_cache_path(packed)
+
+
+def test_greedy_dspark_on_prepacked_target_matches_plain_generate():
+    target = prepack_linears(tiny_llama(64, 32, 2, seed=3, name="tiny"))
+    torch.manual_seed(1)
+    drafter = DSparkDrafter(DSparkConfig.for_target(target, num_hidden_layers=1, sequential_head="markov",
+                                                    sequential_rank=8, block_size=4, verification="fixed"))
+    drafter.set_sps_curve(tiny_sps_curve())
+    prompt = torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False)
+    reference = target.generate(prompt, **kwargs)
+    out = target.generate(prompt, **kwargs, assistant_model=drafter)
+    assert torch.equal(out, reference)
+    assert is_prepacked(drafter)  # the drafter follows its target's kernels
+    assert drafter.__dict__["_shared"][2] is not None  # and so do its lm_head rows
