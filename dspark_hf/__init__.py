@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoModel
 from .calibration import SequentialTemperatureScaling
 from .config import DSparkConfig
 from .generation import DSparkCandidateGenerator, GenerationStats, install
+from .kernels import prepack_linears
 from .model import DSparkDrafter
 from .profiling import SPSCurve, load_or_profile_sps, profile_sps
 from .target import load_default_target, load_target
@@ -31,5 +32,6 @@ __all__ = [
     "load_default_target",
     "load_or_profile_sps",
     "load_target",
+    "prepack_linears",
     "profile_sps",
 ]

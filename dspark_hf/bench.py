@@ -21,9 +21,9 @@ Suites: ``code`` = HumanEval; ``chat`` = held-out ShareGPT (``sharegpt_prompts("
 train/validation/calibration) minus the math ones; ``math`` = the held-out ShareGPT conversations that
 :func:`is_math_problem` accepts; ``custom`` = a JSONL file of ``{"prompt": ...}`` lines.
 
-Budget of the defaults (8 prompts per suite, 128 new tokens, three drafters) on a 2-core CPU where plain
-greedy runs at ~15 tok/s: pass 1 runs 2 fixed-length generations per drafter and prompt, pass 2 about
-ten timed greedy generations per prompt; ~25 prompts x ~16 generations x ~5 s ≈ 35-45 min.
+Budget of the defaults (``BenchSettings``: 4 prompts per suite, 96 new tokens, three drafters) on a 2-core
+CPU where plain greedy runs at ~17 tok/s: pass 1 runs 2 fixed-length generations per drafter and prompt,
+pass 2 twelve timed greedy generations per prompt; 12 prompts x ~18 generations x ~6 s ≈ 20-25 min.
 """
 
 from __future__ import annotations
