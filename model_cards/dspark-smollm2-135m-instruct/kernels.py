@@ -30,6 +30,13 @@ def is_prepacked(model: nn.Module) -> bool:
     return any(hasattr(m, PACKED_ATTR) for m in model.modules())
 
 
+def can_prepack(model: nn.Module) -> bool:
+    """Whether :func:`prepack_linears` applies: torch has oneDNN and every linear weight is a CPU float32/bfloat16."""
+    weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    return torch.backends.mkldnn.is_available() and bool(weights) and all(
+        w.device.type == "cpu" and w.dtype in PACKABLE_DTYPES for w in weights)
+
+
 def linear_kernels(model: nn.Module) -> str:
     """``"onednn-prepacked"`` or ``"stock"``: which kernels ``model``'s linear layers run (timings depend on it)."""
     return "onednn-prepacked" if is_prepacked(model) else "stock"
@@ -88,17 +95,19 @@ def prepack_linears(model: nn.Module, batch_size_hint: int = 8) -> nn.Module:
 
     Raises:
         RuntimeError: this torch build has no oneDNN (``torch.backends.mkldnn.is_available()``).
-        ValueError: a linear weight is not on the CPU or not float32/bfloat16.
+        ValueError: a linear weight is not on the CPU or not float32/bfloat16 (the message names the fix).
     """
     if not torch.backends.mkldnn.is_available():
         raise RuntimeError("prepack_linears needs a torch build with oneDNN (x86/ARM CPU wheels have it).")
     linears = [m for m in model.modules() if isinstance(m, nn.Linear) and not hasattr(m, PACKED_ATTR)]
     for m in linears:
         w = m.weight
-        if w.device.type != "cpu" or w.dtype not in PACKABLE_DTYPES:
+        if w.device.type != "cpu":
+            raise ValueError(f"prepack_linears is for CPU models; got a weight on {w.device}. Skip it on accelerators.")
+        if w.dtype not in PACKABLE_DTYPES:
             raise ValueError(
-                f"prepack_linears is for float32/bfloat16 CPU models; got a {w.dtype} weight on {w.device}. "
-                "Skip it on accelerators, or call it after `model.to('cpu')`."
+                f"prepack_linears supports float32 and bfloat16 weights, got {w.dtype}: convert the model first "
+                "(`model.float()` or `model.to(torch.bfloat16)`), or skip prepacking (`load_target(..., prepack=False)`)."
             )
     for m in linears:
         setattr(m, PACKED_ATTR, PackedWeight(m.weight, batch_size_hint))
