@@ -10,6 +10,8 @@ blocks are often accepted in part and sometimes in full; the target leaves the c
 so rejections happen too. Everything is tiny and CPU-only.
 """
 
+import copy
+
 import pytest
 import torch
 from transformers import (
@@ -23,7 +25,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
 from conftest import CYCLE_VOCAB, LLAMA_DEFAULT_TOKENS, cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
-from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling
+from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling, prepack_linears
 from dspark_hf.scheduler import schedule_global, schedule_prefix, threshold_prefix
 
 HEADS = ("none", "markov", "rnn")
@@ -522,9 +524,13 @@ def sample_tables(target, prompt, drafter, mode, n):
     return (first_pair, second_pair), accepting / max(verifying, 1), lengths
 
 
-@pytest.mark.parametrize(("mode", "draft_vocab"), [("fixed", None), ("threshold", 6), ("scheduler", None), ("async", None)])
-def test_sampling_is_exact(sampling_setup, mode, draft_vocab):
+@pytest.mark.parametrize(("mode", "draft_vocab", "prepacked"),
+                         [("fixed", None, False), ("threshold", 6, False), ("scheduler", None, False),
+                          ("async", None, False), ("async", None, True)])
+def test_sampling_is_exact(sampling_setup, mode, draft_vocab, prepacked):
     target, prompt, laws = sampling_setup
+    if prepacked:  # oneDNN kernels (dspark_hf.kernels) for target and drafter: the laws are unchanged
+        target = prepack_linears(copy.deepcopy(target))
     drafter = sampling_drafter(target, draft_vocab)
     tables, accept_rate, lengths = sample_tables(target, prompt, drafter, mode, N_SAMPLES)
     for name, counts, law in zip(("(t1, t2)", "(t2, t3)"), tables, laws):
