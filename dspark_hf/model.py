@@ -26,7 +26,7 @@ from transformers.utils.hub import cached_file
 
 from .calibration import CALIBRATION_FILE, SequentialTemperatureScaling
 from .config import DSparkConfig
-from .kernels import PackedWeight, is_prepacked
+from .kernels import PACKED_ATTR, PackedWeight, is_prepacked
 from .heads import ConfidenceHead, MarkovHead, RNNHead
 
 
@@ -277,7 +277,9 @@ class DSparkDrafter(PreTrainedModel):
         self.__dict__["_bound_target"] = target
         with torch.no_grad():
             rows = head.weight if self.draft_vocab.numel() == head.weight.shape[0] else head.weight[self.draft_vocab]
-        packed = PackedWeight(rows) if is_prepacked(head) else None  # CPU: the target's kernels (dspark_hf.kernels)
+        packed = None
+        if is_prepacked(head):  # CPU: the target's kernels (dspark_hf.kernels); all rows: reuse the head's packed copy
+            packed = getattr(head, PACKED_ATTR) if rows is head.weight else PackedWeight(rows)
         self.__dict__["_shared"] = (embed, rows.detach(), packed)
         return self
 

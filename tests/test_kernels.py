@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from conftest import tiny_llama, tiny_sps_curve
 
 from dspark_hf import DSparkConfig, DSparkDrafter
-from dspark_hf.kernels import PackedWeight, can_prepack, is_prepacked, linear_kernels, prepack_linears
+from dspark_hf.kernels import PACKED_ATTR, PackedWeight, can_prepack, is_prepacked, linear_kernels, prepack_linears
 from dspark_hf.profiling import sps_cache_path
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -79,4 +79,4 @@ def test_greedy_dspark_on_prepacked_target_matches_plain_generate():
     out = target.generate(prompt, **kwargs, assistant_model=drafter)
     assert torch.equal(out, reference)
     assert is_prepacked(drafter)  # the drafter follows its target's kernels
-    assert drafter.__dict__["_shared"][2] is not None  # and so do its lm_head rows
+    assert drafter.__dict__["_shared"][2] is getattr(target.lm_head, PACKED_ATTR)  # all rows: the head's packed copy

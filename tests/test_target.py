@@ -12,8 +12,8 @@ import torch
 
 from dspark_hf import DSparkConfig, DSparkDrafter
 from dspark_hf import target as target_mod
-from dspark_hf.kernels import is_prepacked
 from dspark_hf.data import chat_ids
+from dspark_hf.kernels import is_prepacked
 
 
 def test_missing_package_names_install_command(monkeypatch):
