@@ -206,7 +206,9 @@ def test_demo_in_headless_browser(tiny):
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(f"http://127.0.0.1:{port}/", wait_until="domcontentloaded", timeout=60_000)
             page.wait_for_selector("#dspark-prompt textarea", timeout=60_000)
-            assert page.locator("#dspark-legend .tok-draft").count() == 1  # the legend is there
+            # gr.HTML mounts after the textbox on a slow machine: wait for the legend, then count it
+            page.wait_for_selector("#dspark-legend .tok-draft", timeout=30_000)
+            assert page.locator("#dspark-legend .tok-draft").count() == 1
             page.fill("#dspark-prompt textarea", "the quick cat runs over the river")
             page.locator("#dspark-side input[type=checkbox]").check()
             page.click("#dspark-run")
