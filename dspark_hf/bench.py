@@ -14,16 +14,23 @@ What is measured (paper §4; symbols as in :mod:`dspark_hf.calibration`):
    speculative output checked token-identical to plain ``generate``.
 5. The machine's SPS curve and each drafter's cost per round (median draft ms vs verify ms).
 
-Layout: suites (prompt sources) -> pure metrics -> runner (two passes over the prompts) -> report
-(JSON, Markdown, PNG). The runner works on token ids only, so tests drive it with a tiny random model.
+Layout: suites (prompt sources) -> pure metrics -> runner -> report (JSON, Markdown, PNG). The runner
+works on token ids only, so tests drive it with a tiny random model. It makes three passes over the prompts:
+
+1. one fixed-length generation at T = 1 per drafter and prompt (τ and acceptance at T = 1);
+2. every timed greedy method but the threshold mode, interleaved prompt by prompt; the ``<drafter>:fixed``
+   runs double as the greedy fixed-length rounds (greedy decoding is deterministic), which give greedy τ,
+   acceptance, calibration and the threshold sweep;
+3. the threshold mode at the best t of that sweep, interleaved with plain again; skipped when the best t
+   is 0, which keeps every draft and so is the fixed mode.
 
 Suites: ``code`` = HumanEval; ``chat`` = held-out ShareGPT (``sharegpt_prompts("test")``, never
 train/validation/calibration) minus the math ones; ``math`` = the held-out ShareGPT conversations that
 :func:`is_math_problem` accepts; ``custom`` = a JSONL file of ``{"prompt": ...}`` lines.
 
 Budget of the defaults (``BenchSettings``: 4 prompts per suite, 96 new tokens, three drafters) on a 2-core
-CPU where plain greedy runs at ~17 tok/s: pass 1 runs 2 fixed-length generations per drafter and prompt,
-pass 2 twelve timed greedy generations per prompt; 12 prompts x ~18 generations x ~6 s ≈ 20-25 min.
+CPU where plain greedy runs at ~20 tok/s: 3 + 10 (+ 3) generations per prompt, 12 prompts x ~13
+generations x ~5 s ≈ 12-15 min. ``--limit N`` is a quick run at 32 new tokens (see :func:`settings_from_args`).
 """
 
 from __future__ import annotations
@@ -340,7 +347,7 @@ class BenchSettings:
 
     gamma: int = 7  # drafts per round γ, paper Table 1
     max_new_tokens: int = 96  # per generation
-    limit: int = 4  # prompts per suite: the default run (3 suites, 12 methods) takes ~30 min on 2 CPU cores
+    limit: int = 4  # prompts per suite: the default run (3 suites, 3 drafters) takes ~12 min on 2 CPU cores
     max_prompt_tokens: int = 320  # longer chat-formatted prompts are skipped (the training data used <= 320)
     thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS  # static threshold sweep (paper Fig. 5)
     sampling_temperature: float = 1.0  # the T = 1 protocol of paper §4.1
@@ -383,8 +390,11 @@ def modes_of(drafter) -> list[str]:
     return ["fixed", "threshold", "scheduler", "async"] if drafter.confidence is not None else ["fixed"]
 
 
-def plan_methods(drafters: dict, adapters: dict, thresholds: dict, settings: BenchSettings) -> list[Method]:
-    """Pass-2 methods: plain, prompt lookup, built-in DFlash, then every drafter's modes."""
+def plan_methods(drafters: dict, adapters: dict, settings: BenchSettings) -> list[Method]:
+    """Pass-2 methods: plain, prompt lookup, built-in DFlash, then every drafter's modes but ``threshold``.
+
+    The threshold mode needs the best t of the sweep over pass 2's fixed rounds: see :func:`threshold_methods`.
+    """
     lookup = {"prompt_lookup_num_tokens": settings.prompt_lookup_num_tokens}
     methods = [Method("plain"), Method("prompt-lookup", kwargs=lookup)]
     for name, adapter in adapters.items():
@@ -392,39 +402,60 @@ def plan_methods(drafters: dict, adapters: dict, thresholds: dict, settings: Ben
                               {"assistant_model": adapter, "speculation_type": "dflash"}, adapter))
     for name, drafter in drafters.items():
         for mode in modes_of(drafter):
-            kwargs = {"dspark_verification": mode, "dspark_block_size": settings.gamma}
-            if mode == "threshold":
-                if thresholds.get(name) is None:
-                    continue
-                kwargs["dspark_threshold"] = thresholds[name]
-            methods.append(Method(f"{name}:{mode}", name, kwargs))
+            if mode != "threshold":
+                methods.append(Method(f"{name}:{mode}", name,
+                                      {"dspark_verification": mode, "dspark_block_size": settings.gamma}))
     return methods
+
+
+def threshold_methods(thresholds: dict, settings: BenchSettings) -> list[Method]:
+    """Pass-3 methods: each drafter's ``threshold`` mode at its best t > 0.
+
+    t = 0 keeps every draft, which is the ``fixed`` mode already timed in pass 2, and ``None`` (no modelled
+    sweep) has nothing to run: both are left out.
+    """
+    return [Method(f"{name}:threshold", name, {"dspark_verification": "threshold", "dspark_block_size": settings.gamma,
+                                               "dspark_threshold": t})
+            for name, t in thresholds.items() if t]
 
 
 def _log_default(*args):
     print(*args, file=sys.stderr, flush=True)
 
 
-def rounds_pass(target, drafters, suites, settings: BenchSettings, log=_log_default) -> dict:
-    """Pass 1: fixed-length generations (greedy and T = 1) of every drafter on every prompt.
+def sampled_rounds_pass(target, drafters, suites, settings: BenchSettings, log=_log_default) -> dict:
+    """Pass 1: one fixed-length generation at T = ``settings.sampling_temperature`` per drafter and prompt.
+
+    The greedy fixed-length rounds need no pass of their own: see :func:`greedy_rounds`.
 
     Returns:
-        ``{"greedy"|"t1": {drafter: {suite: [GenerationStats, ...]}}}``.
+        ``{drafter: {suite: [GenerationStats, ...]}}``.
     """
     from .evaluation import timed_generate
 
-    temps = {"greedy": 0.0, "t1": settings.sampling_temperature}
-    out = {key: {d: {s: [] for s in suites} for d in drafters} for key in temps}
+    out = {d: {s: [] for s in suites} for d in drafters}
     for suite, prompts in suites.items():
         for index, (prompt_id, ids) in enumerate(prompts):
             for name, drafter in drafters.items():
-                for key, temperature in temps.items():
-                    run = timed_generate(target, ids, settings.max_new_tokens, temperature, drafter, seed=index,
-                                         dspark_verification="fixed", dspark_block_size=settings.gamma)
-                    out[key][name][suite].append(run.stats)
-                    log(f"[rounds] {suite} {index + 1}/{len(prompts)} {name} {key}: τ={run.stats.tau:.2f} "
-                        f"({len(run.tokens)} tok, {run.seconds:.1f} s)")
+                run = timed_generate(target, ids, settings.max_new_tokens, settings.sampling_temperature, drafter,
+                                     seed=index, dspark_verification="fixed", dspark_block_size=settings.gamma)
+                out[name][suite].append(run.stats)
+                log(f"[rounds] {suite} {index + 1}/{len(prompts)} {name} t1: τ={run.stats.tau:.2f} "
+                    f"({len(run.tokens)} tok, {run.seconds:.1f} s)")
     return out
+
+
+def greedy_rounds(records: dict, drafters) -> dict:
+    """The greedy fixed-length rounds of the Table 1 protocol, taken from pass 2's ``<drafter>:fixed`` runs.
+
+    Greedy decoding is deterministic, so the timed ``fixed`` run of a prompt is that prompt's τ run; running
+    it again untimed would repeat the same rounds.
+
+    Returns:
+        ``{drafter: {suite: [GenerationStats, ...]}}``, as :func:`sampled_rounds_pass`.
+    """
+    return {name: {suite: [p["runs"][f"{name}:fixed"].stats for p in prompts] for suite, prompts in records.items()}
+            for name in drafters}
 
 
 def wall_clock_pass(target, drafters, methods: list[Method], suites, settings: BenchSettings, log=_log_default) -> dict:
@@ -537,6 +568,77 @@ def step_seconds_table(sps, draft_ms: float | None, gamma: int) -> list[float] |
     return [(draft_ms or 0.0) / 1e3 + 1.0 / sps.steps_per_s[ell] for ell in range(gamma + 1)]
 
 
+def tau_tables(stats: dict, suites: list[str], gamma: int) -> tuple[dict, dict, dict]:
+    """τ per suite and macro, conditional acceptance, and the macro τ ratio dspark / dflash.
+
+    Args:
+        stats: ``{"greedy"|"t1": {drafter: {suite: [GenerationStats, ...]}}}`` of fixed-length generations.
+
+    Returns:
+        ``(taus, conditional, ratios)``: ``taus[key][drafter][suite|"macro"]``,
+        ``conditional[key][suite][drafter]`` (γ values) and ``ratios[key]`` (``None`` without both drafters).
+    """
+    taus, cond, ratios = {}, {}, {}
+    for key, per_drafter in stats.items():
+        taus[key], cond[key] = {}, {s: {} for s in suites}
+        for name, per_suite in per_drafter.items():
+            row = {s: tau([r.accepted for st in per_suite[s] for r in st.rounds]) for s in suites}
+            row["macro"] = tau_mean([row[s] for s in suites])
+            taus[key][name] = row
+            for s in suites:
+                cond[key][s][name] = conditional_acceptance(full_rounds(per_suite[s], gamma)[0], gamma)
+        a, b = (taus[key].get(n, {}).get("macro") for n in ("dspark", "dflash"))
+        ratios[key] = a / b if a and b else None
+    return taus, cond, ratios
+
+
+def confidence_tables(drafters: dict, greedy: dict, suites: list[str], sps, settings: BenchSettings) -> tuple[dict, dict]:
+    """Calibration and static threshold sweep per drafter with a confidence head, from greedy fixed rounds.
+
+    Args:
+        greedy: ``{drafter: {suite: [GenerationStats, ...]}}`` (see :func:`greedy_rounds`).
+
+    Returns:
+        ``(confidence, thresholds)``: per drafter the calibration summary and sweep per suite and ``"all"``,
+        and the best threshold by modelled tokens/s (:func:`best_threshold`).
+    """
+    confidence, thresholds = {}, {}
+    for name, drafter in drafters.items():
+        if drafter.confidence is None:
+            continue
+        pooled = sum(greedy[name].values(), [])
+        table = step_seconds_table(sps, median([r.draft_ms for st in pooled for r in st.rounds]), settings.gamma)
+        entry = {"step_seconds": table, "suites": {}}
+        for s in [*suites, "all"]:
+            accepted, confs = full_rounds(pooled if s == "all" else greedy[name][s], settings.gamma)
+            entry["suites"][s] = {
+                "calibration": confidence_summary(confs, accepted, drafter.calibration),
+                "threshold_sweep": threshold_sweep(confs, accepted, settings.thresholds, table) if confs else [],
+            }
+        thresholds[name] = entry["best_threshold"] = best_threshold(entry["suites"]["all"]["threshold_sweep"])
+        confidence[name] = entry
+    return confidence, thresholds
+
+
+def builtin_adapters(drafters: dict, gamma: int, enabled: bool) -> tuple[dict, dict]:
+    """:class:`BuiltinDFlashAdapter` per parallel drafter, and the ``builtin_dflash`` entry of the result."""
+    parallel = [n for n, d in drafters.items() if d.config.sequential_head == "none"]
+    if enabled and parallel:
+        return ({n: BuiltinDFlashAdapter(drafters[n], gamma) for n in parallel},
+                {"status": "adapted", "drafters": parallel, "note": BUILTIN_NOTE})
+    return {}, {"status": "not run", "drafters": [],
+                "note": "no parallel (sequential_head='none') drafter loaded" if enabled else "disabled"}
+
+
+def merge_threshold_methods(methods: list[Method], timed: list[Method], wall: dict, more: dict) -> tuple[list, dict]:
+    """Pass 3's threshold methods placed right after their drafter's ``fixed`` method, in the list and per suite;
+    pass 2's entries win over any of the same name in ``more`` (its ``plain`` above all)."""
+    after = {f"{m.drafter}:fixed": m for m in timed}
+    ordered = [x for m in methods for x in ([m, after[m.name]] if m.name in after else [m])]
+    merged = {suite: {m.name: (more[suite] | per_method)[m.name] for m in ordered} for suite, per_method in wall.items()}
+    return ordered, merged
+
+
 def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps=None, notes: list[str] | None = None,
               builtin_dflash: bool = True, command: str = "", log: Callable = _log_default) -> tuple[dict, dict]:
     """Run the whole bench on prompts given as token ids.
@@ -559,64 +661,42 @@ def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps
     from .profiling import load_or_profile_sps
 
     notes = list(notes or [])
-    gamma = settings.gamma
     start = time.perf_counter()
     # Phase 0: the machine's SPS curve; the scheduler of every drafter uses the same one.
-    sps = sps or load_or_profile_sps(target, max_tokens=max(32, gamma + 1))
+    sps = sps or load_or_profile_sps(target, max_tokens=max(32, settings.gamma + 1))
     for drafter in drafters.values():
         drafter.set_sps_curve(sps)
 
-    # Phase 1: fixed-length rounds -> τ, conditional acceptance, confidence, threshold sweep.
-    log(f"[bench] pass 1: fixed-length rounds (γ={gamma}) of {len(drafters)} drafters on "
-        f"{sum(map(len, suites.values()))} prompts")
-    stats = rounds_pass(target, drafters, suites, settings, log)
-    taus, cond = {}, {}
-    for key, per_drafter in stats.items():
-        taus[key], cond[key] = {}, {s: {} for s in suites}
-        for name, per_suite in per_drafter.items():
-            row = {s: tau([r.accepted for st in per_suite[s] for r in st.rounds]) for s in suites}
-            row["macro"] = tau_mean([row[s] for s in suites])
-            taus[key][name] = row
-            for s in suites:
-                cond[key][s][name] = conditional_acceptance(full_rounds(per_suite[s], gamma)[0], gamma)
-    ratios = {}
-    for key in taus:
-        a, b = (taus[key].get(n, {}).get("macro") for n in ("dspark", "dflash"))
-        ratios[key] = a / b if a and b else None
-    if ratios.get("greedy") is None:
-        notes.append("tau_ratio_dspark_over_dflash needs drafters named 'dspark' and 'dflash'; not computed.")
+    # Pass 1: fixed-length rounds at T = 1.
+    log(f"[bench] pass 1: T = {settings.sampling_temperature} fixed-length rounds (γ={settings.gamma}) of "
+        f"{len(drafters)} drafters on {sum(map(len, suites.values()))} prompts")
+    sampled = sampled_rounds_pass(target, drafters, suites, settings, log)
 
-    confidence, thresholds = {}, {}
-    for name, drafter in drafters.items():
-        if drafter.confidence is None:
-            continue
-        draft_ms = median([r.draft_ms for st in sum(stats["greedy"][name].values(), []) for r in st.rounds])
-        table = step_seconds_table(sps, draft_ms, gamma)
-        entry = {"step_seconds": table, "suites": {}}
-        for s in [*suites, "all"]:
-            per = sum(stats["greedy"][name].values(), []) if s == "all" else stats["greedy"][name][s]
-            accepted, confs = full_rounds(per, gamma)
-            entry["suites"][s] = {
-                "calibration": confidence_summary(confs, accepted, drafter.calibration),
-                "threshold_sweep": threshold_sweep(confs, accepted, settings.thresholds, table) if confs else [],
-            }
-        thresholds[name] = best_threshold(entry["suites"]["all"]["threshold_sweep"])
-        entry["best_threshold"] = thresholds[name]
-        confidence[name] = entry
-
-    # Phase 2: wall clock, greedy, methods interleaved prompt by prompt.
-    adapters, builtin = {}, {}
-    parallel = [n for n, d in drafters.items() if d.config.sequential_head == "none"]
-    if builtin_dflash and parallel:
-        adapters = {n: BuiltinDFlashAdapter(drafters[n], gamma) for n in parallel}
-        builtin = {"status": "adapted", "drafters": parallel, "note": BUILTIN_NOTE}
-    else:
-        builtin = {"status": "not run", "drafters": [],
-                   "note": "no parallel (sequential_head='none') drafter loaded" if builtin_dflash else "disabled"}
-    methods = plan_methods(drafters, adapters, thresholds, settings)
+    # Pass 2: wall clock, greedy, methods interleaved prompt by prompt; its fixed runs are the greedy τ rounds.
+    adapters, builtin = builtin_adapters(drafters, settings.gamma, builtin_dflash)
+    methods = plan_methods(drafters, adapters, settings)
     log(f"[bench] pass 2: wall clock of {len(methods)} methods: {', '.join(m.name for m in methods)}")
     records = wall_clock_pass(target, drafters, methods, suites, settings, log)
+    stats = {"greedy": greedy_rounds(records, drafters), "t1": sampled}
+    taus, cond, ratios = tau_tables(stats, list(suites), settings.gamma)
+    if ratios.get("greedy") is None:
+        notes.append("tau_ratio_dspark_over_dflash needs drafters named 'dspark' and 'dflash'; not computed.")
+    confidence, thresholds = confidence_tables(drafters, stats["greedy"], list(suites), sps, settings)
+
+    # Pass 3: the threshold mode at the best t of the sweep, interleaved with plain once more.
+    timed = threshold_methods(thresholds, settings)
+    notes += [f"{n}: the best static threshold is t = 0, which keeps every draft: `{n}:threshold` is `{n}:fixed` "
+              "and is not timed twice." for n, t in thresholds.items() if t == 0]
     wall, mismatches = summarize_wall_clock(records, methods, log)
+    costs = round_costs(records, methods)
+    if timed:
+        log(f"[bench] pass 3: wall clock of {', '.join(m.name for m in timed)} at the best threshold, against plain")
+        extra = wall_clock_pass(target, drafters, [Method("plain"), *timed], suites, settings, log)
+        more, more_mismatches = summarize_wall_clock(extra, timed, log)
+        methods, wall = merge_threshold_methods(methods, timed, wall, more)
+        mismatches += more_mismatches
+        costs.update(round_costs(extra, timed))
+        notes.append("Threshold-mode speedups are measured against a plain run interleaved with them in pass 3.")
     log(f"[bench] greedy mismatches against plain generate: {len(mismatches)}")
 
     result = {
@@ -641,7 +721,7 @@ def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps
         "builtin_dflash": builtin,
         "sps": {"steps_per_s": sps.steps_per_s, "ms_per_step": [1e3 / s for s in sps.steps_per_s],
                 "device_name": sps.device_name, "context_len": sps.context_len, "target_name": sps.target_name},
-        "round_cost": round_costs(records, methods),
+        "round_cost": costs,
         "notes": notes,
         "runtime_s": time.perf_counter() - start,
     }
@@ -956,19 +1036,46 @@ def _json_safe(value):
 
 
 # ------------------------------------------------------------------------------------------ CLI
+QUICK_MAX_NEW_TOKENS = 32  # new tokens per generation of a quick run (``--limit`` without ``--max-new-tokens``)
+
+
+def settings_from_args(args) -> tuple[BenchSettings, list[str]]:
+    """:class:`BenchSettings` of ``dspark bench`` flags, and the notes they call for.
+
+    ``--limit N`` asks for a quick run: unless ``--max-new-tokens`` is given too, each generation stops at
+    :data:`QUICK_MAX_NEW_TOKENS` new tokens (``--limit 3`` then takes ~4 min on 2 CPU cores instead of ~8).
+
+    Raises:
+        ValueError: from :class:`BenchSettings` for a non-positive γ, limit or token budget.
+    """
+    quick = args.limit is not None and args.max_new_tokens is None
+    max_new_tokens = args.max_new_tokens
+    if max_new_tokens is None:
+        max_new_tokens = QUICK_MAX_NEW_TOKENS if quick else BenchSettings.max_new_tokens
+    settings = BenchSettings(gamma=args.gamma, max_new_tokens=max_new_tokens,
+                             limit=BenchSettings.limit if args.limit is None else args.limit,
+                             max_prompt_tokens=args.max_prompt_tokens, prompt_lookup_num_tokens=args.prompt_lookup)
+    notes = [f"Quick run (--limit): {max_new_tokens} new tokens per generation; add --max-new-tokens "
+             f"{BenchSettings.max_new_tokens} for the full-length protocol."] if quick else []
+    return settings, notes
+
+
 def cmd_bench(args):
     from .cli import load_cli_target
 
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    settings = BenchSettings(gamma=args.gamma, max_new_tokens=args.max_new_tokens, limit=args.limit,
-                             max_prompt_tokens=args.max_prompt_tokens, prompt_lookup_num_tokens=args.prompt_lookup)
+    try:
+        settings, notes = settings_from_args(args)
+    except ValueError as err:
+        sys.exit(f"dspark bench: {err}")
     names = args.suites.split(",") if args.suites else (["custom"] if args.prompts else list(SUITES))
     if args.prompts and "custom" not in names:
         names.append("custom")
     target, tokenizer = load_cli_target(args)
-    drafters, notes = load_drafters(parse_drafters(args.drafters), target, settings.gamma)
+    drafters, loading_notes = load_drafters(parse_drafters(args.drafters), target, settings.gamma)
+    notes += loading_notes
     if not drafters:
         sys.exit("No drafter found; pass --drafters name=PATH,... (see `dspark bench --help`).")
     suites, skipped = encode_suites(tokenizer, suite_texts(names, args.prompts), settings.limit, settings.max_prompt_tokens)
@@ -1002,8 +1109,11 @@ def add_cli(sub, command):
     p.add_argument("--suites", default=None, help=f"comma-separated subset of {','.join(SUITES)},custom "
                                                   "(default: all three, or only custom with --prompts)")
     p.add_argument("--prompts", default=None, help="JSONL file, one {\"prompt\": ...} per line: the 'custom' suite")
-    p.add_argument("--limit", type=int, default=BenchSettings.limit, help="prompts per suite")
-    p.add_argument("--max-new-tokens", type=int, default=BenchSettings.max_new_tokens)
+    p.add_argument("--limit", type=int, default=None,
+                   help=f"prompts per suite, for a quick run (default: {BenchSettings.limit}, the full run)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"new tokens per generation (default: {BenchSettings.max_new_tokens}; "
+                        f"{QUICK_MAX_NEW_TOKENS} with --limit)")
     p.add_argument("--max-prompt-tokens", type=int, default=BenchSettings.max_prompt_tokens, help="skip longer chat-formatted prompts")
     p.add_argument("--gamma", type=int, default=BenchSettings.gamma, help="drafts per round γ (paper Table 1: 7)")
     p.add_argument("--prompt-lookup", type=int, default=BenchSettings.prompt_lookup_num_tokens, help="prompt_lookup_num_tokens of the prompt-lookup baseline")

@@ -1,6 +1,6 @@
 """`dspark bench`: the metrics on hand-made round statistics, and a tiny end-to-end run of the runner.
 
-The metric tests use values worked out by hand in the comments. The smoke test runs both passes on a tiny
+The metric tests use values worked out by hand in the comments. The smoke test runs all three passes on a tiny
 random Llama target with three tiny drafters (markov + confidence, rnn + confidence, parallel without
 confidence) on prompts given as raw ids, then writes the JSON, Markdown and PNGs.
 """
@@ -118,6 +118,32 @@ def tiny_drafter(target, head, confidence):
     return drafter
 
 
+def test_threshold_mode_is_timed_only_for_a_positive_best_threshold():
+    settings = bench.BenchSettings()
+    methods = bench.threshold_methods({"a": 0.0, "b": None, "c": 0.3}, settings)  # t = 0 is the fixed mode
+    assert [(m.name, m.kwargs["dspark_threshold"]) for m in methods] == [("c:threshold", 0.3)]
+    pass2 = [bench.Method("plain"), bench.Method("c:fixed", "c"), bench.Method("c:async", "c")]
+    wall = {"s": {"plain": 1, "c:fixed": 2, "c:async": 3}}
+    ordered, merged = bench.merge_threshold_methods(pass2, methods, wall, {"s": {"plain": 9, "c:threshold": 4}})
+    assert [m.name for m in ordered] == ["plain", "c:fixed", "c:threshold", "c:async"]
+    assert merged == {"s": {"plain": 1, "c:fixed": 2, "c:threshold": 4, "c:async": 3}}  # pass 2's plain is kept
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], (4, 96, False)),  # the full run
+    (["--limit", "3"], (3, bench.QUICK_MAX_NEW_TOKENS, True)),  # a quick run
+    (["--limit", "3", "--max-new-tokens", "96"], (3, 96, False)),
+    (["--max-new-tokens", "64"], (4, 64, False)),
+])
+def test_quick_run_settings(argv, expected):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bench.add_cli(parser.add_subparsers(), lambda name, fn, help, kernels: parser)
+    settings, notes = bench.settings_from_args(parser.parse_args(argv))
+    assert (settings.limit, settings.max_new_tokens, bool(notes)) == expected
+
+
 def test_runner_end_to_end(tmp_path):
     target = tiny_llama(V, D, 2, intermediate_size=96, head_dim=16, max_position_embeddings=512)
     drafters = {
@@ -147,7 +173,13 @@ def test_runner_end_to_end(tmp_path):
     wall = result["wall_clock"]
     assert wall["methods"][:3] == ["plain", "prompt-lookup", "dflash:builtin-dflash"]
     assert {"dspark:fixed", "dspark:scheduler", "dspark:async", "dspark-rnn:async", "dflash:fixed"} <= set(wall["methods"])
-    assert ("dspark:threshold" in wall["methods"]) == (result["confidence"]["dspark"]["best_threshold"] is not None)
+    best = result["confidence"]["dspark"]["best_threshold"]
+    assert best, "this smoke run must cover pass 3 (the threshold mode at t > 0)"
+    assert wall["methods"].index("dspark:threshold") == wall["methods"].index("dspark:fixed") + 1
+    assert list(wall["suites"]["a"]) == wall["methods"]
+    # greedy τ comes from pass 2's timed fixed runs, which the wall-clock table reports too
+    fixed_rounds = [r["rounds"] for p in ("a", "b") for r in wall["suites"][p]["dspark:fixed"]["per_prompt"]]
+    assert sum(len(st.rounds) for st in sum(raw["stats"]["greedy"]["dspark"].values(), [])) == sum(fixed_rounds)
     assert wall["mismatches_total"] == 0, wall["mismatches"]  # greedy speculative output == plain generate
     assert result["builtin_dflash"]["status"] == "adapted"
     # full draft vocabulary: the built-in path drafts what the drafter's own fixed path drafts
