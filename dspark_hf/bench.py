@@ -53,7 +53,8 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DRAFTERS = "dspark=model_cards/dspark-smollm2-135m-instruct,dspark-rnn=runs/dspark-rnn/final,dflash=runs/dflash/final"
+DEFAULT_DRAFTERS = ("dspark=model_cards/dspark-smollm2-135m-instruct,dspark-rnn=ablations/dspark-rnn-smollm2-135m-instruct,"
+                    "dflash=ablations/dflash-smollm2-135m-instruct")
 SUITES = ("code", "chat", "math")
 DEFAULT_THRESHOLDS = tuple(round(0.1 * i, 1) for i in range(10))  # 0, 0.1, ..., 0.9 (paper Fig. 5)
 SCHEMA_VERSION = 1

@@ -83,6 +83,23 @@ def test_shipped_drafter_is_lossless_with_both_schedulers(default_target):
         assert drafter.last_stats.verification == "scheduler"
 
 
+@pytest.mark.parametrize("name, head", [("dspark-rnn", "rnn"), ("dflash", "none")])
+def test_ablation_drafters_match_the_shipped_budget_and_are_lossless(default_target, name, head):
+    """The bench's baselines: same pipeline, data, seed and CPU budget as the shipped drafter; only the head differs."""
+    model, tokenizer = default_target
+    folder = SHIPPED.parent.parent / "ablations" / f"{name}-smollm2-135m-instruct"
+    shipped, ablation = (json.loads((f / "training.json").read_text()) for f in (SHIPPED, folder))
+    same = ("data_dir", "target_tokens", "draft_vocab_size", "block_size", "num_hidden_layers", "seed", "lr",
+            "max_minutes", "sequences_per_step", "anchors_per_sequence", "loss_weights")
+    assert {k: ablation["config"][k] for k in same} == {k: shipped["config"][k] for k in same}
+    assert abs(ablation["minutes"] - shipped["minutes"]) < 1.0
+    drafter = DSparkDrafter.from_pretrained(folder)
+    assert drafter.config.sequential_head == head
+    assert (drafter.calibration is not None) == (head != "none")  # the parallel baseline has no confidence head
+    plain = _greedy(model, tokenizer, PROMPTS[1])
+    assert torch.equal(_greedy(model, tokenizer, PROMPTS[1], assistant_model=drafter, dspark_verification="fixed"), plain)
+
+
 def test_cli_generate_compare_json():
     result = subprocess.run(
         [sys.executable, "-m", "dspark_hf.cli", "generate", "Name three colors.", "--compare", "--json",
