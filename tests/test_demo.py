@@ -206,9 +206,8 @@ def test_demo_in_headless_browser(tiny):
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(f"http://127.0.0.1:{port}/", wait_until="domcontentloaded", timeout=60_000)
             page.wait_for_selector("#dspark-prompt textarea", timeout=60_000)
-            # gr.HTML mounts after the textbox on a slow machine: wait for the legend, then count it
-            page.wait_for_selector("#dspark-legend .tok-draft", timeout=30_000)
-            assert page.locator("#dspark-legend .tok-draft").count() == 1
+            expect = sync_api.expect  # auto-waiting assertions: components mount and update one by one
+            expect(page.locator("#dspark-legend .tok-draft")).to_have_count(1, timeout=30_000)  # the legend
             page.fill("#dspark-prompt textarea", "the quick cat runs over the river")
             page.locator("#dspark-side input[type=checkbox]").check()
             page.click("#dspark-run")
@@ -218,10 +217,10 @@ def test_demo_in_headless_browser(tiny):
             rounds = int(page.inner_text('#dspark-stats [data-stat="rounds"] .v'))
             assert rounds > 0
             assert float(page.inner_text('#dspark-stats [data-stat="tau"] .v')) > 1.0
-            assert page.inner_text('#dspark-stats [data-stat="identical"] .v') == "yes"
+            expect(page.locator('#dspark-stats [data-stat="identical"] .v')).to_have_text("yes")
             assert page.locator("#dspark-output .tok").count() >= 40
             assert page.locator("#dspark-output .tok-bonus, #dspark-output .tok-correction").count() > 0
-            assert page.locator("#dspark-baseline .tok-plain").count() == 40
+            expect(page.locator("#dspark-baseline .tok-plain")).to_have_count(40)
             page.wait_for_selector("#dspark-plot canvas, #dspark-plot svg", timeout=30_000)
             # the ghost toggle hides rejected / unverified drafts
             page.locator("#dspark-ghosts input[type=checkbox]").uncheck()
