@@ -356,8 +356,10 @@ class BenchSettings:
     warmup_tokens: int = 8  # one untimed generation per method before pass 2
 
     def __post_init__(self):
-        if self.gamma < 1 or self.max_new_tokens < 2 or self.limit < 1:
-            raise ValueError("gamma >= 1, max_new_tokens >= 2 and limit >= 1 are required")
+        for name, value, least in (("gamma", self.gamma, 1), ("max_new_tokens", self.max_new_tokens, 2),
+                                   ("limit", self.limit, 1)):
+            if value < least:
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be >= {least}, got {value}")
 
 
 @dataclass
@@ -533,12 +535,19 @@ def summarize_wall_clock(records: dict, methods: list[Method], log=_log_default)
                 "median_tokens_per_s": tps,
                 "median_speedup": median([r["speedup"] for r in rows]),  # median of per-prompt ratios
                 "speedup_of_medians": tps / plain_median if tps and plain_median else None,
-                "tau": tau_mean([r["tau"] for r in rows]),
+                "tau": pooled_tau(rows),
                 "mismatches": sum(not r["identical"] for r in rows),
                 "per_prompt": rows,
             }
         summary[suite] = per_method
     return summary, mismatches
+
+
+def pooled_tau(rows: Sequence[dict]) -> float | None:
+    """τ over all rounds of a method's runs, ``Σ τ_i · rounds_i / Σ rounds_i`` (as :func:`tau` pools rounds);
+    runs without rounds (plain, prompt lookup) are left out, ``None`` if none has any."""
+    timed = [(r["tau"], r["rounds"]) for r in rows if r["tau"] is not None and r["rounds"]]
+    return sum(t * n for t, n in timed) / sum(n for _, n in timed) if timed else None
 
 
 def tau_mean(values):
@@ -889,7 +898,10 @@ def markdown_report(result: dict) -> str:
                 for name, vals in result["conditional_acceptance"][key][suite].items()]
         out += [f"**{suite}**", "", _table(["drafter", *(f"k={k}" for k in range(1, s["gamma"] + 1))], rows), ""]
 
-    out += ["## Confidence (greedy fixed rounds)", ""]
+    out += ["## Confidence (greedy fixed rounds)", "",
+            "ECE of the prefix survival probability a_k = c_1···c_k against 1[n ≥ k] over all rounds (every round "
+            "has a label at every position; deep positions, with a_k and the survival rate near 0, have a small "
+            "ECE); ROC-AUC of c_k on the rounds that reached k (n ≥ k−1), – where one class is absent.", ""]
     for name, entry in result["confidence"].items():
         cal = entry["suites"]["all"]["calibration"]
         if cal is None:
@@ -1069,13 +1081,14 @@ def cmd_bench(args):
     started = time.perf_counter()
     try:
         settings, notes = settings_from_args(args)
-    except ValueError as err:
+        spec = parse_drafters(args.drafters)
+    except ValueError as err:  # before the target loads: a typo costs nothing
         sys.exit(f"dspark bench: {err}")
     names = args.suites.split(",") if args.suites else (["custom"] if args.prompts else list(SUITES))
     if args.prompts and "custom" not in names:
         names.append("custom")
     target, tokenizer = load_cli_target(args)
-    drafters, loading_notes = load_drafters(parse_drafters(args.drafters), target, settings.gamma)
+    drafters, loading_notes = load_drafters(spec, target, settings.gamma)
     notes += loading_notes
     if not drafters:
         sys.exit("No drafter found; pass --drafters name=PATH,... (see `dspark bench --help`).")
@@ -1111,13 +1124,18 @@ def add_cli(sub, command):
                                                   "(default: all three, or only custom with --prompts)")
     p.add_argument("--prompts", default=None, help="JSONL file, one {\"prompt\": ...} per line: the 'custom' suite")
     p.add_argument("--limit", type=int, default=None,
-                   help=f"prompts per suite, for a quick run (default: {BenchSettings.limit}, the full run)")
+                   help=f"prompts per suite; giving it makes a quick run at {QUICK_MAX_NEW_TOKENS} new tokens unless "
+                        f"--max-new-tokens is given too (default: the full run, {BenchSettings.limit} prompts per suite "
+                        f"at {BenchSettings.max_new_tokens} tokens)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help=f"new tokens per generation (default: {BenchSettings.max_new_tokens}; "
                         f"{QUICK_MAX_NEW_TOKENS} with --limit)")
-    p.add_argument("--max-prompt-tokens", type=int, default=BenchSettings.max_prompt_tokens, help="skip longer chat-formatted prompts")
-    p.add_argument("--gamma", type=int, default=BenchSettings.gamma, help="drafts per round γ (paper Table 1: 7)")
-    p.add_argument("--prompt-lookup", type=int, default=BenchSettings.prompt_lookup_num_tokens, help="prompt_lookup_num_tokens of the prompt-lookup baseline")
+    p.add_argument("--max-prompt-tokens", type=int, default=BenchSettings.max_prompt_tokens,
+                   help=f"skip longer chat-formatted prompts (default: {BenchSettings.max_prompt_tokens})")
+    p.add_argument("--gamma", type=int, default=BenchSettings.gamma,
+                   help=f"drafts per round γ (default: {BenchSettings.gamma}, as paper Table 1)")
+    p.add_argument("--prompt-lookup", type=int, default=BenchSettings.prompt_lookup_num_tokens,
+                   help=f"prompt_lookup_num_tokens of the prompt-lookup baseline (default: {BenchSettings.prompt_lookup_num_tokens})")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--no-builtin-dflash", action="store_true", help="skip the built-in speculation_type='dflash' path")
     p.add_argument("--out", default=None, help="folder for benchmarks.json, benchmarks.md and the PNGs (e.g. docs)")

@@ -136,12 +136,29 @@ def test_threshold_mode_is_timed_only_for_a_positive_best_threshold():
     (["--max-new-tokens", "64"], (4, 64, False)),
 ])
 def test_quick_run_settings(argv, expected):
+    settings, notes = bench.settings_from_args(_bench_args(argv))
+    assert (settings.limit, settings.max_new_tokens, bool(notes)) == expected
+
+
+def _bench_args(argv):
     import argparse
 
     parser = argparse.ArgumentParser()
     bench.add_cli(parser.add_subparsers(), lambda name, fn, help, kernels: parser)
-    settings, notes = bench.settings_from_args(parser.parse_args(argv))
-    assert (settings.limit, settings.max_new_tokens, bool(notes)) == expected
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize("argv, flag", [(["--limit", "0"], "--limit"), (["--max-new-tokens", "1"], "--max-new-tokens"),
+                                        (["--gamma", "0"], "--gamma")])
+def test_bad_settings_name_the_flag(argv, flag):
+    with pytest.raises(ValueError, match=f"\\({flag}\\) must be >= "):
+        bench.settings_from_args(_bench_args(argv))
+
+
+def test_pooled_tau_weights_prompts_by_rounds():
+    rows = [{"tau": 2.0, "rounds": 10}, {"tau": 1.0, "rounds": 30}, {"tau": None, "rounds": None}]
+    assert bench.pooled_tau(rows) == pytest.approx((20 + 30) / 40)  # not the mean of per-prompt τ, 1.5
+    assert bench.pooled_tau(rows[2:]) is None
 
 
 def test_runner_end_to_end(tmp_path):
@@ -177,7 +194,9 @@ def test_runner_end_to_end(tmp_path):
     assert best, "this smoke run must cover pass 3 (the threshold mode at t > 0)"
     assert wall["methods"].index("dspark:threshold") == wall["methods"].index("dspark:fixed") + 1
     assert list(wall["suites"]["a"]) == wall["methods"]
-    # greedy τ comes from pass 2's timed fixed runs, which the wall-clock table reports too
+    # greedy τ comes from pass 2's timed fixed runs, which the wall-clock table reports too, pooled the same way
+    for suite in suites:
+        assert wall["suites"][suite]["dspark:fixed"]["tau"] == pytest.approx(taus[suite])
     fixed_rounds = [r["rounds"] for p in ("a", "b") for r in wall["suites"][p]["dspark:fixed"]["per_prompt"]]
     assert sum(len(st.rounds) for st in sum(raw["stats"]["greedy"]["dspark"].values(), [])) == sum(fixed_rounds)
     assert wall["mismatches_total"] == 0, wall["mismatches"]  # greedy speculative output == plain generate
