@@ -6,9 +6,12 @@ here :func:`profile_sps` measures it on the target's own device and :func:`load_
 one JSON per (target, device, dtype, torch version, context length, max tokens) under
 ``cache_root() / "sps"``.
 
-Measurement: prefill ``context_len`` random tokens once into a ``DynamicCache``; for each ``B`` time a
-forward of ``B`` new tokens against that cache (one warm-up, then the median of ``repeats``), cropping
-the cache back after every forward so each timing sees the same context length.
+Measurement: prefill ``context_len`` random tokens once into a ``DynamicCache``; sweep ``B = 1..max_tokens``
+once untimed (warm-up), then ``repeats`` timed sweeps, and keep the median per ``B``. Each timing is a forward
+of ``B`` new tokens against that cache, cropped back afterwards so every timing sees the same context length.
+Sweeping all ``B`` per repeat, rather than repeating one ``B`` at a time, spreads a burst of load over all
+sizes instead of bending the curve at a few of them (on a busy 2-core machine the one-``B``-at-a-time curve
+had 8-token steps cheaper than 6- and 7-token ones).
 """
 
 from __future__ import annotations
@@ -173,7 +176,7 @@ def profile_sps(
     target: torch.nn.Module,
     max_tokens: int = 32,
     context_len: int = 256,
-    repeats: int = 5,
+    repeats: int = 9,
     smooth: bool = False,
     cache: bool = True,
     progress: bool = True,
@@ -188,7 +191,7 @@ def profile_sps(
         target: causal LM (transformers 5.x) with ``config`` and ``get_input_embeddings``.
         max_tokens: largest verification size ``B`` (the drafter's ``γ + 1`` at least).
         context_len: tokens prefilled into the KV cache before timing.
-        repeats: timed forwards per ``B`` after one warm-up; the median is kept.
+        repeats: timed sweeps over ``B = 1..max_tokens`` after one warm-up sweep; the median per ``B`` is kept.
         smooth: return the running-minimum curve (monotone non-increasing); the cache keeps raw values.
         cache: also write the raw curve to :func:`sps_cache_path` (replacing any stored one).
         progress: show a tqdm bar over ``B``.
@@ -207,12 +210,14 @@ def profile_sps(
     with torch.inference_mode():
         context = torch.randint(vocab, (1, context_len), generator=generator).to(device)  # (1, context_len)
         target(input_ids=context, cache=kv, use_cache=True)  # prefill once
-    steps_per_s = []
-    for n_tokens in tqdm(range(1, max_tokens + 1), desc="Profiling SPS(B)", unit="B", disable=not progress):
-        input_ids = torch.randint(vocab, (1, n_tokens), generator=generator).to(device)  # (1, B)
-        time_verify_step(target, kv, input_ids)  # warm-up: allocator, kernel selection
-        seconds = statistics.median([time_verify_step(target, kv, input_ids) for _ in range(repeats)])
-        steps_per_s.append(1.0 / seconds)
+    blocks = [torch.randint(vocab, (1, b), generator=generator).to(device) for b in range(1, max_tokens + 1)]  # (1, B)
+    seconds = [[] for _ in blocks]
+    for sweep in tqdm(range(repeats + 1), desc="Profiling SPS(B)", unit="sweep", disable=not progress):
+        for block, times in zip(blocks, seconds):
+            elapsed = time_verify_step(target, kv, block)
+            if sweep:  # sweep 0 warms up: allocator, kernel selection
+                times.append(elapsed)
+    steps_per_s = [1.0 / statistics.median(times) for times in seconds]
     curve = SPSCurve(steps_per_s=steps_per_s, context_len=context_len, **_describe(target))
     if cache:
         _write(curve, sps_cache_path(target, max_tokens, context_len))
@@ -245,7 +250,7 @@ def load_or_profile_sps(
     target: torch.nn.Module,
     max_tokens: int = 32,
     context_len: int = 256,
-    repeats: int = 5,
+    repeats: int = 9,
     smooth: bool = False,
     progress: bool = True,
 ) -> SPSCurve:
