@@ -892,7 +892,8 @@ def markdown_report(result: dict) -> str:
             f"T = 1 {_fmt(ratios.get('t1'), 3)}", ""]
 
     out += ["## Position-wise conditional acceptance P(n ≥ k | n ≥ k−1)", "",
-            "Fixed rounds that verified all γ drafts (the last round of each generation dropped).", ""]
+            "Fixed rounds that verified all γ drafts (the last round of each generation dropped); – where no "
+            "round reached position k−1.", ""]
     for suite in suites:
         rows = [[f"{name} ({key})", *vals] for key in ("greedy", "t1")
                 for name, vals in result["conditional_acceptance"][key][suite].items()]
