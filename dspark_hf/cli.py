@@ -169,7 +169,7 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--gamma", type=int, default=None, help="block size γ (default: the drafter's)")
-    p.add_argument("--verify", choices=VERIFICATION_MODES, default=None)
+    p.add_argument("--verify", choices=VERIFICATION_MODES, default=None, help="verification mode (default: the drafter's config.verification)")
     p.add_argument("--compare", action="store_true", help="also run plain generate and report the speedup")
     p.add_argument("--json", action="store_true")
 
