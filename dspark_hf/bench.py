@@ -462,7 +462,7 @@ def greedy_rounds(records: dict, drafters) -> dict:
 
 
 def wall_clock_pass(target, drafters, methods: list[Method], suites, settings: BenchSettings, log=_log_default) -> dict:
-    """Pass 2: every method on every prompt, interleaved (order rotated per prompt), greedy.
+    """Passes 2 and 3: every method on every prompt, interleaved (order rotated per prompt), greedy.
 
     Returns:
         ``{suite: [{"id", "prompt_tokens", "runs": {method: {"tokens", "seconds", "stats"|"builtin_rounds"}}}]}``.
@@ -645,7 +645,10 @@ def merge_threshold_methods(methods: list[Method], timed: list[Method], wall: di
     pass 2's entries win over any of the same name in ``more`` (its ``plain`` above all)."""
     after = {f"{m.drafter}:fixed": m for m in timed}
     ordered = [x for m in methods for x in ([m, after[m.name]] if m.name in after else [m])]
-    merged = {suite: {m.name: (more[suite] | per_method)[m.name] for m in ordered} for suite, per_method in wall.items()}
+    merged = {}
+    for suite, per_method in wall.items():
+        both = more[suite] | per_method
+        merged[suite] = {m.name: both[m.name] for m in ordered}
     return ordered, merged
 
 

@@ -194,7 +194,7 @@ def profile_sps(
         repeats: timed sweeps over ``B = 1..max_tokens`` after one warm-up sweep; the median per ``B`` is kept.
         smooth: return the running-minimum curve (monotone non-increasing); the cache keeps raw values.
         cache: also write the raw curve to :func:`sps_cache_path` (replacing any stored one).
-        progress: show a tqdm bar over ``B``.
+        progress: show a tqdm bar over the sweeps.
 
     Returns:
         :class:`SPSCurve` with ``steps_per_s[B - 1]`` in forward passes per second.
