@@ -60,29 +60,6 @@ DEFAULT_THRESHOLDS = tuple(round(0.1 * i, 1) for i in range(10))  # 0, 0.1, ...,
 SCHEMA_VERSION = 1
 
 # ------------------------------------------------------------------------------------------ suites
-# Math filter (documented, deliberately simple): a math keyword or an arithmetic expression in the first
-# 400 characters, at most 1000 characters long, and no sign of code or of a writing/role-play task.
-MATH_PATTERN = re.compile(
-    r"\b(solve|equations?|integrals?|derivatives?|probability|algebra|calculus|geometry|theorem|arithmetic|"
-    r"fractions?|factorial|prime numbers?|square roots?|irrational|circumference|math(s|ematics|ematical)?|"
-    r"how many|how much)\b"
-    r"|(?<![\w.])\d+(\.\d+)?\s*[+*×÷^=]\s*\(?\d"  # 2*(5/4), 3 + 4, x = 2 (not chess "Re1+ 14")
-    r"|\d\s+[-/]\s+\d",  # 7 - 3, 8 / 2 (not ranges like 5-9 or dates like 2023/24)
-    re.IGNORECASE,
-)
-NOT_MATH_PATTERN = re.compile(
-    r"```|\b(import|def|function|class|code|program\w*|api|udf|python|java(script)?|sql|go)\b"
-    r"|^\s*(write|act as|you are|pretend|please write|here is)\b",
-    re.IGNORECASE,
-)
-MATH_MAX_CHARS = 1000
-
-
-def is_math_problem(text: str) -> bool:
-    """Whether a ShareGPT opening turn reads like a math question (see ``MATH_PATTERN``)."""
-    return len(text) <= MATH_MAX_CHARS and bool(MATH_PATTERN.search(text[:400])) and not NOT_MATH_PATTERN.search(text)
-
-
 def read_prompts_file(path: str | os.PathLike) -> list[tuple[str, str]]:
     """``(id, prompt)`` pairs of a JSONL file with one ``{"prompt": ...}`` object per line (``id`` optional).
 
@@ -106,7 +83,7 @@ def suite_texts(names: Sequence[str], prompts_file: str | None = None) -> dict[s
     Raises:
         ValueError: an unknown suite, or ``custom`` without ``prompts_file``.
     """
-    from .data import humaneval_prompts, sharegpt_prompts
+    from .data import humaneval_prompts, is_math_problem, sharegpt_prompts
 
     unknown = set(names) - {*SUITES, "custom"}
     if unknown:
@@ -670,6 +647,7 @@ def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps
     Returns:
         ``(result, raw)``: the JSON-ready result and the raw records the plots need.
     """
+    from . import data
     from .kernels import linear_kernels
     from .profiling import load_or_profile_sps
 
@@ -716,8 +694,8 @@ def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps
         "schema_version": SCHEMA_VERSION,
         "machine": {**machine_info(command), "linear_kernels": linear_kernels(target)},
         "settings": {**asdict(settings), "thresholds": list(settings.thresholds),
-                     "math_filter": {"keywords_or_arithmetic": MATH_PATTERN.pattern, "excluded": NOT_MATH_PATTERN.pattern,
-                                     "max_chars": MATH_MAX_CHARS}},
+                     "math_filter": {"keywords_or_arithmetic": data.MATH_PATTERN.pattern, "excluded": data.NOT_MATH_PATTERN.pattern,
+                                     "max_chars": data.MATH_MAX_CHARS}},
         "suites": {s: {"n_prompts": len(p), "ids": [i for i, _ in p], "prompt_tokens": [len(x) for _, x in p]}
                    for s, p in suites.items()},
         "drafters": {n: describe_drafter(d) for n, d in drafters.items()},

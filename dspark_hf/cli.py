@@ -116,6 +116,10 @@ def cmd_train(args):
     from .training import TrainConfig, train
 
     cfg = TrainConfig.from_yaml(args.config)
+    if cfg.threads:  # regeneration and training alike: pinned threads hold up when the machine is shared
+        import torch
+
+        torch.set_num_threads(cfg.threads)
     target, tokenizer = load_target(args.target)
     from .config import spread_layer_ids
 

