@@ -134,6 +134,22 @@ def dspark_loss(logits, confidence_logits, labels, target_ids, target_probs, val
     return loss, {**{k: v.detach() for k, v in parts.items()}, "accept": per_position}
 
 
+def greedy_survival(logits: torch.Tensor, target_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced greedy prefix survival: draft ``k`` survives greedy verification when its argmax and
+    every earlier one equal the target's top-1 token (the greedy ``n ≥ k`` event of the bench's τ).
+
+    Args:
+        logits: ``[N, γ, V']`` draft logits; target_ids: ``[N, γ, K]`` draft-vocab rows of the target's
+            top-K (row 0 = its argmax; ``-1`` outside the draft vocabulary, never matched); valid: ``[N, γ]``.
+
+    Returns:
+        ``[γ]``: P(n ≥ k) over blocks whose position ``k`` exists.
+    """
+    hit = (logits.argmax(-1) == target_ids[..., 0]) & valid
+    survive = hit.long().cumprod(-1).float()
+    return (survive * valid).sum(0) / valid.sum(0).clamp(min=1)
+
+
 def expected_tau(accept: torch.Tensor) -> float:
     """τ estimate from per-position acceptance ``[γ]``: ``1 + Σ_k Π_{i<=k} accept_i``."""
     return 1.0 + float(torch.cumprod(accept, 0).sum())
@@ -244,27 +260,30 @@ def train_step(drafter, batch, weights, loss_weights):
     """Forward + loss on one packed batch; returns ``(loss, parts)`` (no optimizer step)."""
     out = drafter(batch["features"], batch["anchors"], batch["tokens"])
     flat = lambda t: t.flatten(0, 1) if t is not None else None  # noqa: E731
-    return dspark_loss(
+    loss, parts = dspark_loss(
         flat(out.logits), flat(out.confidence_logits), flat(batch["labels"]), flat(batch["target_ids"]),
         flat(batch["target_probs"]), flat(batch["valid"]), weights, loss_weights,
     )
+    parts["greedy"] = greedy_survival(flat(out.logits).detach(), flat(batch["target_ids"]), flat(batch["valid"]))
+    return loss, parts
 
 
 @torch.no_grad()
 def evaluate(drafter, batches, weights, loss_weights) -> dict:
     """Mean loss parts, per-position acceptance estimate c*_k and τ estimate on fixed batches."""
     drafter.eval()
-    sums, accept = {}, 0
+    sums, accept, greedy = {}, 0, 0
     for batch in batches:
         loss, parts = train_step(drafter, batch, weights, loss_weights)
         for k, v in parts.items():
-            if k != "accept":
+            if k not in ("accept", "greedy"):
                 sums[k] = sums.get(k, 0.0) + float(v)
         sums["loss"] = sums.get("loss", 0.0) + float(loss)
-        accept = accept + parts["accept"]
+        accept, greedy = accept + parts["accept"], greedy + parts["greedy"]
     drafter.train()
-    accept = accept / len(batches)
-    return {**{k: v / len(batches) for k, v in sums.items()}, "accept": accept.tolist(), "tau": expected_tau(accept)}
+    accept, greedy = accept / len(batches), greedy / len(batches)
+    return {**{k: v / len(batches) for k, v in sums.items()}, "accept": accept.tolist(), "tau": expected_tau(accept),
+            "greedy_survival": greedy.tolist(), "greedy_tau": 1.0 + float(greedy.sum())}
 
 
 def train(target, cfg: TrainConfig, progress: bool = True, command: str | None = None) -> Path:
@@ -315,9 +334,11 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
         optimizer.step()
         step += 1
         bar.update(1)
-        bar.set_postfix({k: f"{float(v):.3f}" for k, v in parts.items() if k != "accept"} | {"tau": f"{expected_tau(parts['accept']):.2f}"})
+        bar.set_postfix({k: f"{float(v):.3f}" for k, v in parts.items() if k not in ("accept", "greedy")}
+                        | {"tau": f"{expected_tau(parts['accept']):.2f}"})
         record = {"step": step, "time_s": time.perf_counter() - start, "loss": float(loss.detach()), "lr": optimizer.param_groups[0]["lr"]}
-        record |= {k: float(v) for k, v in parts.items() if k != "accept"} | {"tau_est": expected_tau(parts["accept"])}
+        record |= {k: float(v) for k, v in parts.items() if k not in ("accept", "greedy")}
+        record |= {"tau_est": expected_tau(parts["accept"]), "greedy_tau": 1.0 + float(parts["greedy"].sum())}
         if step % cfg.eval_every == 0 or step == cfg.steps:
             record["validation"] = evaluate(drafter, val_batches, weights, cfg.loss_weights)
         log.write(json.dumps(record) + "\n")

@@ -12,7 +12,9 @@ from conftest import tiny_llama
 from dspark_hf import DSparkDrafter
 from dspark_hf.config import spread_layer_ids
 from dspark_hf.data import load_shards, prepare_data
-from dspark_hf.training import TrainConfig, dspark_loss, expected_tau, position_weights, train, tv_distance
+from dspark_hf.training import (
+    TrainConfig, dspark_loss, expected_tau, greedy_survival, position_weights, train, tv_distance,
+)
 
 
 def test_position_weights_follow_paper():
@@ -136,3 +138,11 @@ def test_drafter_overfits_its_training_prompts(tmp_path):
         taus.append(drafter.last_stats.tau)
     assert sum(first) / len(first) >= 0.95
     assert sum(taus) / len(taus) >= 4.5
+
+
+def test_greedy_survival_by_hand():
+    # 2 blocks, γ = 3, V' = 4; block 0 hits, misses, hits (survival stops at k = 2); block 1 has k = 3 invalid
+    logits = torch.eye(4)[torch.tensor([[0, 1, 2], [3, 3, 0]])]
+    top1 = torch.tensor([[0, 2, 2], [3, 3, 1]])[..., None]
+    valid = torch.tensor([[True, True, True], [True, True, False]])
+    torch.testing.assert_close(greedy_survival(logits, top1, valid), torch.tensor([1.0, 0.5, 0.0]))
