@@ -42,6 +42,7 @@ class TrainConfig:
     block_size: int = 7
     num_context_layers: int = 4
     draft_vocab_size: int | None = 8192
+    init_from_target_layers: list[int] | None = None  # copy these target decoder layers into the drafter's (one each)
     # data
     target_tokens: int = 300_000
     gen_batch_size: int = 48
@@ -241,7 +242,30 @@ def build_drafter(target, cfg: TrainConfig, train_rows) -> DSparkDrafter:
     drafter = DSparkDrafter(config)
     if draft_vocab_size:
         drafter.set_draft_vocab(choose_draft_vocab(train_rows, draft_vocab_size, vocab))
+    if cfg.init_from_target_layers:
+        init_layers_from_target(drafter, target, cfg.init_from_target_layers)
     return drafter.bind(target)
+
+
+def init_layers_from_target(drafter: DSparkDrafter, target, layer_ids: list[int]):
+    """Start drafter layer ``j`` as a copy of target decoder layer ``layer_ids[j]`` (attention, MLP, norms).
+
+    The drafter's layers use transformers' Llama parameter names and the target's shapes, so the copy is a
+    ``load_state_dict``; parameters the target layer lacks (e.g. QK-norm weights on a Llama target) keep
+    their fresh initialisation.
+
+    Raises:
+        ValueError: not one target layer per drafter layer, or a layer id outside the target.
+    """
+    layers = target.model.layers
+    if len(layer_ids) != len(drafter.layers) or any(not 0 <= i < len(layers) for i in layer_ids):
+        raise ValueError(
+            f"init_from_target_layers needs {len(drafter.layers)} ids in 0..{len(layers) - 1}, got {layer_ids}"
+        )
+    for layer, i in zip(drafter.layers, layer_ids):
+        result = layer.load_state_dict(layers[i].state_dict(), strict=False)
+        if result.unexpected_keys:
+            raise ValueError(f"target layer {i} has parameters the drafter layer lacks: {result.unexpected_keys}")
 
 
 def learning_rate(cfg: TrainConfig, step: int, elapsed_s: float) -> float:

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from dspark_hf import DSparkDrafter
+from dspark_hf import DSparkConfig, DSparkDrafter
 from dspark_hf.config import spread_layer_ids
 from dspark_hf.data import load_shards, prepare_data
 from dspark_hf.training import (
-    TrainConfig, dspark_loss, expected_tau, greedy_survival, position_weights, train, tv_distance,
+    TrainConfig, dspark_loss, expected_tau, greedy_survival, init_layers_from_target, position_weights, train,
+    tv_distance,
 )
 
 
@@ -146,3 +147,14 @@ def test_greedy_survival_by_hand():
     top1 = torch.tensor([[0, 2, 2], [3, 3, 1]])[..., None]
     valid = torch.tensor([[True, True, True], [True, True, False]])
     torch.testing.assert_close(greedy_survival(logits, top1, valid), torch.tensor([1.0, 0.5, 0.0]))
+
+
+def test_init_layers_from_target_copies_weights():
+    target = tiny_llama(48, 32, 6)
+    drafter = DSparkDrafter(DSparkConfig.for_target(target, num_context_layers=2, num_hidden_layers=2))
+    init_layers_from_target(drafter, target, [4, 5])
+    for layer, i in zip(drafter.layers, [4, 5]):
+        for name, tensor in target.model.layers[i].state_dict().items():
+            assert torch.equal(layer.state_dict()[name], tensor), name
+    with pytest.raises(ValueError, match="needs 2 ids"):
+        init_layers_from_target(drafter, target, [5])
