@@ -125,10 +125,21 @@ def cmd_train(args):
 
     layers = spread_layer_ids(target.config.num_hidden_layers, cfg.num_context_layers)
     prepare_data(target, tokenizer, cfg.data_dir, layers, cfg.target_tokens, cfg.gen_batch_size,
-                 max_new_tokens=cfg.max_new_tokens)
+                 max_new_tokens=cfg.max_new_tokens, worker=args.worker)
     if args.prepare_only:
         return
     print(f"drafter saved to {train(target, cfg, command=f'dspark train --config {args.config}')}")
+
+
+def _worker(text: str) -> tuple[int, int]:
+    """``"K/N"`` -> ``(K, N)`` with ``0 <= K < N``."""
+    try:
+        index, workers = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--worker takes K/N (e.g. 0/2), got {text!r}") from None
+    if not 0 <= index < workers:
+        raise argparse.ArgumentTypeError(f"--worker K/N needs 0 <= K < N, got {text!r}")
+    return index, workers
 
 
 def cmd_calibrate(args):
@@ -186,6 +197,8 @@ def main(argv=None):
     p = command("train", cmd_train, "regenerate data with the target and train a drafter")
     p.add_argument("--config", default=str(DEFAULT_TRAIN_CONFIG))
     p.add_argument("--prepare-only", action="store_true", help="only generate and cache the training data")
+    p.add_argument("--worker", type=_worker, default=(0, 1), metavar="K/N",
+                   help="regenerate only shards i with i %% N == K, so N processes can share the work (default 0/1)")
 
     p = command("calibrate", cmd_calibrate, "fit Sequential Temperature Scaling on calibration rounds", drafter=True)
     p.add_argument("--prompts", type=int, default=40)

@@ -222,9 +222,10 @@ def sharegpt_queue(tokenizer, splits=("train", "validation"), max_prompt_tokens:
                    mix: dict[str, float] | None = None) -> list[tuple]:
     """``(record_id, split, prompt_ids)`` of the chat-formatted first turns of ``splits``, in a fixed order.
 
-    Prompts are grouped by :func:`prompt_category` and interleaved in the proportions of ``mix`` (default
+    Held-out splits come first (they are small), so that training has a validation set from its first shard.
+    The rest is grouped by :func:`prompt_category` and interleaved in the proportions of ``mix`` (default
     :data:`PROMPT_MIX`) until a category runs out, so that a regeneration stopped early still holds a real
-    share of code and math; within a category the order is a hash of the record id (splits interleaved).
+    share of code and math; within a category the order is a hash of the record id.
     """
     mix = PROMPT_MIX if mix is None else mix
     groups: dict[str, list[tuple]] = {name: [] for name in mix}
@@ -237,7 +238,8 @@ def sharegpt_queue(tokenizer, splits=("train", "validation"), max_prompt_tokens:
     by_hash = lambda item: int(hashlib.sha1(item[0].encode()).hexdigest(), 16)  # noqa: E731
     keyed = [((i + 1) / mix[name], name, item) for name, items in groups.items()
              for i, item in enumerate(sorted(items, key=by_hash))]
-    return [item for _, _, item in sorted(keyed, key=lambda k: (k[0], k[1]))]
+    mixed = [item for _, _, item in sorted(keyed, key=lambda k: (k[0], k[1]))]
+    return [item for item in mixed if item[1] != "train"] + [item for item in mixed if item[1] == "train"]
 
 
 def prepare_data(
@@ -251,6 +253,7 @@ def prepare_data(
     topk: int = 32,
     sampling: dict | None = None,
     queue: list[tuple] | None = None,
+    worker: tuple[int, int] = (0, 1),
 ) -> Path:
     """Regenerate responses with the target and cache the drafter's training signals, resumably.
 
@@ -258,23 +261,26 @@ def prepare_data(
         queue: ``(record_id, split, prompt_ids)`` to answer, in order; default :func:`sharegpt_queue`.
         sampling: ``generate`` sampling kwargs (default T=0.2, top-p 0.9, SmolLM2's recommendation).
 
-    Stops once ``target_tokens`` response tokens are stored; a rerun resumes after the last
-    complete shard (same queue, same batch size). Returns ``out_dir``.
+    Shard ``i`` answers prompts ``i * batch_size ...`` of the queue. ``worker=(k, n)`` makes only the shards
+    with ``i % n == k``, so ``n`` processes (one thread each) can regenerate side by side. Stops once
+    ``target_tokens`` response tokens are stored (counting what this worker sees: the shards present at its
+    start plus its own); a rerun skips every complete shard (same queue, same batch size). Returns ``out_dir``.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     sampling = sampling or dict(do_sample=True, temperature=0.2, top_p=0.9)
     queue = sharegpt_queue(tokenizer) if queue is None else queue
-    done = sorted(out_dir.glob("shard-*"))
-    stored = sum(sum(len(x) - p for x, p in zip(*_lengths(d))) for d in done)
-    start = len(done) * batch_size
+    done = {int(d.name.removeprefix("shard-")) for d in out_dir.glob("shard-*")}
+    stored = sum(sum(len(x) - p for x, p in zip(*_lengths(d))) for d in out_dir.glob("shard-*"))
+    index, workers = worker
     bar = tqdm(total=target_tokens, initial=stored, desc="response tokens", unit="tok")
-    torch.manual_seed(len(done))
-    for shard in range(len(done), (len(queue) + batch_size - 1) // batch_size):
+    for shard in range((len(queue) + batch_size - 1) // batch_size):
+        if shard in done or shard % workers != index:
+            continue
         if stored >= target_tokens:
             break
-        batch = queue[start : start + batch_size]
-        start += batch_size
+        torch.manual_seed(shard)  # a shard draws the same samples whichever worker makes it, whenever
+        batch = queue[shard * batch_size : (shard + 1) * batch_size]
         rows = generate_batch(target, tokenizer, [ids for _, _, ids in batch], layer_ids, topk, max_new_tokens, sampling)
         columns = {k: [] for k in shard_features(1, 1)}
         for (record_id, split, _), row in zip(batch, rows):

@@ -158,3 +158,19 @@ def test_init_layers_from_target_copies_weights():
             assert torch.equal(layer.state_dict()[name], tensor), name
     with pytest.raises(ValueError, match="needs 2 ids"):
         init_layers_from_target(drafter, target, [5])
+
+
+def test_two_regeneration_workers_make_the_shards_of_one(tmp_path):
+    target = tiny_llama(48, 32, 4, bos_token_id=1, pad_token_id=None)
+    queue = [(f"r{i}_0", "train", p) for i, p in enumerate(torch.randint(3, 48, (10, 5)).tolist())]
+    datasets.disable_progress_bars()
+    kwargs = dict(layer_ids=[1], target_tokens=10_000, batch_size=3, max_new_tokens=6, topk=4,
+                  sampling=dict(do_sample=True, temperature=1.0), queue=queue)
+    prepare_data(target, SimpleNamespace(pad_token_id=0), tmp_path / "one", **kwargs)
+    for k in (1, 0):
+        prepare_data(target, SimpleNamespace(pad_token_id=0), tmp_path / "two", worker=(k, 2), **kwargs)
+    names = sorted(d.name for d in (tmp_path / "one").glob("shard-*"))
+    assert names == sorted(d.name for d in (tmp_path / "two").glob("shard-*")) == [f"shard-{i:05d}" for i in range(4)]
+    for name in names:  # same prompts, same seeded samples
+        assert datasets.load_from_disk(str(tmp_path / "one" / name))["input_ids"] == \
+            datasets.load_from_disk(str(tmp_path / "two" / name))["input_ids"]
