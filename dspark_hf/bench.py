@@ -267,9 +267,9 @@ class BuiltinDFlashAdapter(torch.nn.Module):
     declares ``block_size = γ + 1`` and returns ``[h_1, h_1, ..., h_γ]`` (slot 0 is never read). What differs
     from the drafter's own path, by construction of the built-in one:
 
-    * the mask slots use the drafter's learned mask embedding, not the target's embedding of
-      ``mask_token_id`` (SmolLM2 has no mask token; ``mask_token_id = 0`` is a placeholder the adapter
-      never reads);
+    * the mask slots use the drafter's :meth:`~dspark_hf.model.DSparkDrafter.mask_vector` (v2: the target's
+      embedding of ``mask_token_id``, as the built-in path; v1: the learned mask embedding, with
+      ``mask_token_id = 0`` a placeholder the adapter never reads);
     * logits come from the target's FULL lm_head, so a restricted draft vocabulary is not enforced;
     * the context K/V live in the drafter's own :class:`~dspark_hf.model.DraftContext` (reset whenever the
       generator brings a new ``DFlashCache``, i.e. per ``generate`` call), which holds accepted positions
@@ -287,12 +287,13 @@ class BuiltinDFlashAdapter(torch.nn.Module):
         self.drafter = drafter
         self.config = copy.deepcopy(drafter.config)
         self.config.block_size = gamma + 1  # anchor slot + γ draft slots
-        self.config.mask_token_id = 0  # placeholder: the mask slots use drafter.mask_embedding
+        if self.config.mask_token_id is None:  # v1: a placeholder, the mask slots use drafter.mask_vector()
+            self.config.mask_token_id = 0
         self._cache, self._context, self.rounds = None, None, 0
 
     @property
     def device(self) -> torch.device:
-        return self.drafter.mask_embedding.device
+        return self.drafter.context_proj.weight.device
 
     @torch.no_grad()
     def forward(self, noise_embeds, context_hidden_states, position_ids, attention_mask=None, cache=None, **kwargs):
@@ -303,15 +304,15 @@ class BuiltinDFlashAdapter(torch.nn.Module):
         if cache is None or cache is not self._cache:  # a new generate call
             self._cache, self._context, self.rounds = cache, self.drafter.new_context(), 0
         context = self._context
-        self.drafter.extend_context(context, context_hidden_states.to(self.drafter.mask_embedding.dtype))
+        self.drafter.extend_context(context, context_hidden_states.to(self.drafter.context_proj.weight.dtype))
         gamma = noise_embeds.shape[1] - 1
         anchor_position = int(position_ids[0, -(gamma + 1)])
         if anchor_position != context.length:
             raise RuntimeError(f"built-in DFlash positions out of step: anchor at {anchor_position}, "
                                f"drafter context holds {context.length} positions")
         d = noise_embeds.shape[-1]
-        block = torch.cat([noise_embeds[:, :1].to(self.drafter.mask_embedding.dtype),
-                           self.drafter.mask_embedding.expand(1, gamma - 1, d)], dim=1)  # (1, γ, d)
+        mask = self.drafter.mask_vector()
+        block = torch.cat([noise_embeds[:, :1].to(mask.dtype), mask.expand(1, gamma - 1, d)], dim=1)  # (1, γ, d)
         positions = torch.arange(context.length, context.length + gamma, device=block.device)[None]  # (1, γ)
         hidden = self.drafter.backbone(block, positions, context.layers)  # (1, γ, d)
         self.rounds += 1

@@ -8,6 +8,7 @@ SEQUENTIAL_HEADS = ("none", "markov", "rnn")
 VERIFICATION_MODES = ("scheduler", "async", "fixed", "threshold")
 SCHEDULED_MODES = ("scheduler", "async")  # modes that read calibrated confidences and the SPS curve
 MAX_BLOCK_SIZE = 16
+DSPARK_VERSIONS = (1, 2)  # 1: no QK-norm, learned mask embedding; 2: the reference DSpark architecture
 
 
 def spread_layer_ids(num_target_layers: int, num_context_layers: int) -> list[int]:
@@ -45,9 +46,21 @@ class DSparkConfig(PreTrainedConfig):
         verification: default verification mode in ``generate``: ``"scheduler"`` (Algorithm 1),
             ``"async"`` (the §5.2 global search on the previous block's confidences), ``"fixed"`` or ``"threshold"``.
         confidence_threshold: default threshold of the ``"threshold"`` mode.
+        dspark_version: architecture version. ``2`` (the default, the reference DSpark of DeepSpec,
+            speculators and SpecForge): QK-norm, mask slots fed by the target's embedding of
+            ``mask_token_id``, biases on the confidence head and the RNN head's projection. ``1``: the
+            first dspark-hf drafters (no QK-norm, a learned ``mask_embedding``, no biases). A saved
+            ``config.json`` without the field is a v1 checkpoint.
+        qk_norm: per-head RMSNorm of queries and keys (block and context keys) before RoPE (Qwen3
+            style ``q_norm``/``k_norm``). Required ``True`` in v2, ``False`` in v1.
+        mask_token_id: v2 only (required there): target token whose frozen input embedding fills the
+            γ-1 mask slots; it should be a reserved token the drafter never drafts (outside the draft
+            vocabulary). ``None`` in v1 (a learned ``mask_embedding`` fills them).
 
     Raises:
-        ValueError: on an unknown sequential head, γ outside 1..16, or layer ids out of range.
+        ValueError: on an unknown sequential head, γ outside 1..16, layer ids out of range, an unknown
+            ``dspark_version``, or version-inconsistent ``qk_norm``/``mask_token_id`` (the message
+            names the fix).
     """
 
     model_type = "dspark"
@@ -75,6 +88,9 @@ class DSparkConfig(PreTrainedConfig):
         verification: str = "scheduler",
         confidence_threshold: float = 0.4,
         initializer_range: float = 0.02,
+        dspark_version: int = 2,
+        qk_norm: bool | None = None,
+        mask_token_id: int | None = None,
         **kwargs,
     ):
         self.target_name_or_path = target_name_or_path
@@ -98,10 +114,35 @@ class DSparkConfig(PreTrainedConfig):
         self.verification = verification
         self.confidence_threshold = confidence_threshold
         self.initializer_range = initializer_range
+        self.dspark_version = dspark_version
+        self.qk_norm = dspark_version >= 2 if qk_norm is None else qk_norm  # None: the version's value
+        self.mask_token_id = mask_token_id
         super().__init__(**kwargs)
         self._check()
 
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """As transformers', but a saved config without ``dspark_version`` is a v1 drafter."""
+        return super().from_dict({"dspark_version": 1, **config_dict}, **kwargs)
+
     def _check(self):
+        if self.dspark_version not in DSPARK_VERSIONS:
+            raise ValueError(f"dspark_version must be one of {DSPARK_VERSIONS}, got {self.dspark_version!r}")
+        if self.dspark_version >= 2:
+            if not self.qk_norm:
+                raise ValueError("dspark_version 2 drafters use QK-norm: drop qk_norm=False (or use dspark_version=1)")
+            if self.mask_token_id is None:
+                raise ValueError(
+                    "dspark_version 2 needs mask_token_id: a reserved target token outside the draft vocabulary "
+                    "whose embedding fills the mask slots (e.g. DSparkConfig.for_target(target, mask_token_id=16) "
+                    "for SmolLM2's <empty_output>; dspark_hf.training.reserved_mask_token picks one from a tokenizer)"
+                )
+            if not 0 <= self.mask_token_id < self.vocab_size:
+                raise ValueError(f"mask_token_id {self.mask_token_id} must lie in 0..{self.vocab_size - 1} (a target token id)")
+        elif self.qk_norm or self.mask_token_id is not None:
+            raise ValueError(
+                "qk_norm and mask_token_id are v2 features: set dspark_version=2 (v1 drafters have neither)"
+            )
         if self.sequential_head not in SEQUENTIAL_HEADS:
             raise ValueError(f"sequential_head must be one of {SEQUENTIAL_HEADS}, got {self.sequential_head!r}")
         if self.verification not in VERIFICATION_MODES:
@@ -126,7 +167,14 @@ class DSparkConfig(PreTrainedConfig):
 
     @classmethod
     def for_target(cls, target, num_context_layers: int = 4, **kwargs) -> "DSparkConfig":
-        """A config whose shapes follow ``target`` (a HF causal LM); ``kwargs`` override defaults."""
+        """A v2 config whose shapes follow ``target`` (a HF causal LM); ``kwargs`` override defaults.
+
+        ``mask_token_id`` must be given for v2 (see the class docstring); ``dspark_version=1`` makes a
+        v1 config.
+
+        Raises:
+            ValueError: as :class:`DSparkConfig`, e.g. no ``mask_token_id`` for a v2 config.
+        """
         tc = target.config.get_text_config()
         head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
         rope = getattr(tc, "rope_parameters", None) or {}

@@ -196,7 +196,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
             raise RuntimeError("DSpark needs the target's hidden states; the target did not return them.")
         states = model_outputs.hidden_states
         features = torch.cat([states[i + 1][:, :n_new] for i in self.drafter.config.target_layer_ids], dim=-1)
-        self.drafter.extend_context(self.context, features.to(self.drafter.mask_embedding.device))
+        self.drafter.extend_context(self.context, features.to(self.drafter.context_proj.weight.device))
 
     def _prefix_length(self, block, gamma: int) -> int:
         """ℓ in 0..γ by the verification mode (paper §3.2.2 for ``scheduler``, §5.2 for ``async``).

@@ -44,7 +44,11 @@ def _llama_config(config: DSparkConfig) -> LlamaConfig:
 
 
 class DSparkAttention(nn.Module):
-    """GQA attention whose keys/values are ``[W_K H_ctx ; W_K H_d]`` (eq. 3)."""
+    """GQA attention whose keys/values are ``[W_K H_ctx ; W_K H_d]`` (eq. 3).
+
+    With ``config.qk_norm`` (v2), queries and keys (block and context keys alike) go through a
+    per-head RMSNorm (``q_norm``/``k_norm``, weight ``[head_dim]``, Qwen3 style) before RoPE.
+    """
 
     def __init__(self, config: DSparkConfig):
         super().__init__()
@@ -54,13 +58,17 @@ class DSparkAttention(nn.Module):
         self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
+        self.q_norm = LlamaRMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = LlamaRMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
 
-    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        return x.view(*x.shape[:2], n, self.head_dim).transpose(1, 2)
+    def _heads(self, x: torch.Tensor, n: int, norm: nn.Module | None = None) -> torch.Tensor:
+        """``[B, n, heads*hd]`` -> ``[B, heads, n, hd]``, per-head RMS-normed by ``norm`` when given."""
+        x = x.view(*x.shape[:2], n, self.head_dim)
+        return (x if norm is None else norm(x)).transpose(1, 2)
 
     def key_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Rotary keys and values of ``x`` ``[B, n, d]`` -> two ``[B, kv_heads, n, head_dim]``."""
-        k = self._heads(self.k_proj(x), self.num_kv_heads)
+        k = self._heads(self.k_proj(x), self.num_kv_heads, self.k_norm)
         v = self._heads(self.v_proj(x), self.num_kv_heads)
         k, _ = apply_rotary_pos_emb(k, k, cos, sin)
         return k, v
@@ -71,7 +79,7 @@ class DSparkAttention(nn.Module):
         With ``anchors`` ``[B, A]`` (training), ``x`` packs ``A`` blocks of ``γ = q / A`` positions:
         block ``b`` sees context positions ``< anchors[:, b]`` and its own γ positions only.
         """
-        q = self._heads(self.q_proj(x), self.num_heads)
+        q = self._heads(self.q_proj(x), self.num_heads, self.q_norm)
         q, _ = apply_rotary_pos_emb(q, q, cos, sin)
         k, v = self.key_values(x, cos, sin)
         if anchors is None:
@@ -175,17 +183,19 @@ class DSparkDrafter(PreTrainedModel):
         self.last_stats = None  # per-round statistics of the last generate() call
         d, r = config.hidden_size, config.sequential_rank
         vocab = config.draft_vocab_size or config.vocab_size
+        v2 = config.dspark_version >= 2
         self.context_proj = nn.Linear(config.context_width, d, bias=False)  # W_c, eq. 2
         self.context_norm = LlamaRMSNorm(d, config.rms_norm_eps)
-        self.mask_embedding = nn.Parameter(torch.zeros(d))
+        # v1: a learned mask vector; v2: the target's frozen embedding of config.mask_token_id
+        self.mask_embedding = nn.Parameter(torch.zeros(d)) if config.mask_token_id is None else None
         self.layers = nn.ModuleList(DSparkLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = LlamaRMSNorm(d, config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(_llama_config(config))
         self.token_table = nn.Embedding(vocab + 1, r) if config.uses_token_table else None  # W1
-        self.sequential = {"none": lambda: None, "markov": lambda: MarkovHead(r, vocab), "rnn": lambda: RNNHead(d, r, vocab)}[
+        self.sequential = {"none": lambda: None, "markov": lambda: MarkovHead(r, vocab), "rnn": lambda: RNNHead(d, r, vocab, bias=v2)}[
             config.sequential_head
         ]()
-        self.confidence = ConfidenceHead(d, r) if config.confidence_head else None
+        self.confidence = ConfidenceHead(d, r, bias=v2) if config.confidence_head else None
         self.register_buffer("draft_vocab", torch.arange(vocab), persistent=config.draft_vocab_size is not None)
         self.register_buffer("vocab_index", self._vocab_index(), persistent=False)
         self.post_init()
@@ -207,12 +217,13 @@ class DSparkDrafter(PreTrainedModel):
 
     def _init_weights(self, module):
         """transformers' defaults (normal linears/embeddings, unit norms, RoPE buffers), then zero ``W2``
-        so an untrained sequential head adds no bias, and a small random mask embedding."""
+        so an untrained sequential head adds no bias, and (v1) a small random mask embedding."""
         super()._init_weights(module)
         if isinstance(module, (MarkovHead, RNNHead)):
             init.zeros_(module.w2.weight)
         elif isinstance(module, DSparkDrafter):
-            init.normal_(module.mask_embedding, std=self.config.initializer_range)
+            if module.mask_embedding is not None:
+                init.normal_(module.mask_embedding, std=self.config.initializer_range)
             init.copy_(module.draft_vocab, torch.arange(module.draft_vocab.numel(), device=module.draft_vocab.device))  # non-persistent when V' = V: from_pretrained leaves it uninitialised
 
     @classmethod
@@ -326,10 +337,22 @@ class DSparkDrafter(PreTrainedModel):
         return self.norm(x)
 
     def block_embeddings(self, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-        """``anchors`` ``[...]`` -> ``[..., γ, d]``: anchor embedding followed by γ-1 mask embeddings."""
-        first = self.embed_tokens(anchors).unsqueeze(-2).to(self.mask_embedding.dtype)
-        masks = self.mask_embedding.expand(*anchors.shape, block_size - 1, -1)
+        """``anchors`` ``[...]`` -> ``[..., γ, d]``: anchor embedding followed by γ-1 mask embeddings.
+
+        The mask slots hold the target's frozen embedding of ``config.mask_token_id`` (v2) or the
+        learned ``mask_embedding`` (v1).
+        """
+        first = self.embed_tokens(anchors).unsqueeze(-2).to(self.context_proj.weight.dtype)
+        masks = self.mask_vector().expand(*anchors.shape, block_size - 1, -1)
         return torch.cat([first, masks], dim=-2)
+
+    def mask_vector(self) -> torch.Tensor:
+        """``[d]`` input of every mask slot: the target's embedding of ``config.mask_token_id`` (v2) or
+        the learned ``mask_embedding`` (v1), in the drafter's dtype."""
+        if self.mask_embedding is not None:
+            return self.mask_embedding
+        mask_id = torch.tensor(self.config.mask_token_id, device=self.context_proj.weight.device)
+        return self.embed_tokens(mask_id).to(self.context_proj.weight.dtype)
 
     def token_embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """``W1[x]`` for target ids ``[...]`` -> ``[..., r]`` (out-of-draft-vocab ids share one row)."""
@@ -407,7 +430,7 @@ class DSparkDrafter(PreTrainedModel):
             :class:`DraftBlock` (``tokens`` ``[γ]``, ``logits`` ``[γ, V]``, ``confidences`` ``[γ]``).
         """
         gamma = block_size or self.config.block_size
-        device = self.mask_embedding.device
+        device = self.context_proj.weight.device
         anchor_t = torch.tensor([anchor], device=device)
         positions = torch.arange(context.length, context.length + gamma, device=device)[None]
         hidden = self.backbone(self.block_embeddings(anchor_t, gamma), positions, context.layers)[0]  # [γ, d]

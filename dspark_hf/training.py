@@ -57,7 +57,8 @@ class TrainConfig:
     warmup_steps: int = 100
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    decay: float | None = None  # λ of w_k = exp(-(k-1)/λ); None = block size (paper §3.3)
+    decay: float | None = 4.0  # λ of w_k = exp(-(k-1)/λ): 4 as DeepSpec and speculators; None = block size (paper §3.3)
+    mask_token_id: int | None = None  # v2 mask slots: target token id; None = reserved_mask_token(tokenizer)
     loss_weights: dict = field(default_factory=lambda: {"ce": 0.1, "tv": 0.9, "conf": 1.0})
     seed: int = 0
     eval_every: int = 250
@@ -76,8 +77,12 @@ class TrainConfig:
 
 
 # ------------------------------------------------------------------------------------ losses
-def position_weights(gamma: int, decay: float | None = None) -> torch.Tensor:
-    """``w_k = exp(-(k-1)/λ)`` for k = 1..γ, ``λ = decay or γ`` (paper §3.3). Shape ``[γ]``."""
+def position_weights(gamma: int, decay: float | None = 4.0) -> torch.Tensor:
+    """``w_k = exp(-(k-1)/λ)`` for k = 1..γ (paper §3.3). Shape ``[γ]``.
+
+    ``λ = decay``: 4 by default, as the reference trainers (DeepSpec, speculators); ``None`` gives the
+    paper's ``λ = γ``.
+    """
     lam = float(decay or gamma)
     return torch.exp(-torch.arange(gamma, dtype=torch.float32) / lam)
 
@@ -94,6 +99,13 @@ def tv_distance(draft_probs: torch.Tensor, target_ids: torch.Tensor, target_prob
     Returns:
         ``[...]``: exact L1 on the top-K support, plus ``|rest_d - rest_t|`` for the remaining mass
         (a lower bound of the full L1 that is exact when ``p_t`` is fully inside its top-K).
+
+    Decision (issue #11): the references (DeepSpec, speculators) take the L1 over the FULL target
+    distribution, computed on the fly from the target's logits. dspark-hf trains on cached features
+    and caches only the target's top-32 distribution (a full ``[V]`` row per token would be ~200x
+    larger), so this stays top-K + bound. For a peaked target (top-32 holding almost all the mass)
+    the two agree; otherwise this under-estimates the L1 by at most the draft mass spread over the
+    rest, and c*_k (eq. 8) is biased upward by at most half of that.
     """
     inside = target_ids >= 0
     pd_at = torch.gather(draft_probs, -1, target_ids.clamp(min=0)) * inside
@@ -105,6 +117,10 @@ def tv_distance(draft_probs: torch.Tensor, target_ids: torch.Tensor, target_prob
 
 def dspark_loss(logits, confidence_logits, labels, target_ids, target_probs, valid, weights, loss_weights):
     """Paper eq. 12: ``α_ce L_ce + α_tv L_tv + α_conf L_conf``, each position-weighted by ``w_k``.
+
+    Each term is normalised per weighted token, as the reference trainers: ``Σ w_k ℓ_k / Σ w_k`` over
+    the valid positions (a position whose label is outside the draft vocabulary counts in the
+    denominator with zero cross-entropy).
 
     Args:
         logits: ``[N, γ, V']`` draft logits ``U + B`` (teacher-forced sequential head).
@@ -120,16 +136,16 @@ def dspark_loss(logits, confidence_logits, labels, target_ids, target_probs, val
     """
     log_p = logits.float().log_softmax(-1)
     probs = log_p.exp()
-    w = weights.to(logits.device)[None] * valid
-    blocks = valid[:, 0].sum().clamp(min=1)
+    w = weights.to(logits.device)[None] * valid  # [N, γ]
+    total = w.sum().clamp(min=1e-12)  # Σ w over valid positions: per weighted token
     ce_valid = valid & (labels >= 0)
     ce = -torch.gather(log_p, -1, labels.clamp(min=0)[..., None])[..., 0] * ce_valid
     tv = tv_distance(probs, target_ids, target_probs)
     accept = (1 - 0.5 * tv).clamp(0, 1).detach()  # c*_k, eq. 8
-    parts = {"ce": (ce * w).sum() / blocks, "tv": (tv * w).sum() / blocks}
+    parts = {"ce": (ce * w).sum() / total, "tv": (tv * w).sum() / total}
     if confidence_logits is not None:
         bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), accept, reduction="none")
-        parts["conf"] = (bce * w).sum() / blocks
+        parts["conf"] = (bce * w).sum() / total
     loss = sum(loss_weights[k] * v for k, v in parts.items())
     per_position = (accept * valid).sum(0) / valid.sum(0).clamp(min=1)
     return loss, {**{k: v.detach() for k, v in parts.items()}, "accept": per_position}
@@ -223,11 +239,46 @@ def choose_draft_vocab(rows, size: int, vocab_size: int) -> torch.Tensor:
     return counts.argsort(descending=True, stable=True)[:size].sort().values
 
 
+def reserved_mask_token(tokenizer, draft_vocab: torch.Tensor | None = None) -> int:
+    """The default v2 ``mask_token_id`` for a target's tokenizer (issue #11).
+
+    Rule: the tokenizer's own ``mask_token_id`` if it has one; else the highest-id added (reserved)
+    token that is not one of its special tokens in use (bos/eos/pad/unk, ``all_special_ids``) and not
+    in ``draft_vocab`` (``[V']`` target ids; the drafter never drafts its mask token). SmolLM2 gives 16
+    (``<empty_output>``).
+
+    Raises:
+        ValueError: no such token; set ``mask_token_id`` in the training config.
+    """
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return int(tokenizer.mask_token_id)
+    taken = set(tokenizer.all_special_ids) | set(draft_vocab.tolist() if draft_vocab is not None else ())
+    free = [i for i in tokenizer.added_tokens_decoder if i not in taken]
+    if not free:
+        raise ValueError("The tokenizer has no reserved token outside the draft vocabulary for the mask slots: "
+                         "set mask_token_id in the training config (a target token id the drafter never drafts).")
+    return max(free)
+
+
 # ----------------------------------------------------------------------------------- training
-def build_drafter(target, cfg: TrainConfig, train_rows) -> DSparkDrafter:
-    """A fresh drafter for ``target``; its draft vocabulary is chosen from the training responses."""
+def build_drafter(target, cfg: TrainConfig, train_rows, tokenizer=None) -> DSparkDrafter:
+    """A fresh v2 drafter for ``target``; its draft vocabulary is chosen from the training responses.
+
+    The mask token is ``cfg.mask_token_id``, else :func:`reserved_mask_token` of ``tokenizer``.
+
+    Raises:
+        ValueError: neither ``cfg.mask_token_id`` nor a ``tokenizer`` is given (the message names the
+            config key), or as :class:`DSparkConfig`.
+    """
     vocab = target.get_output_embeddings().weight.shape[0]
     draft_vocab_size = min(cfg.draft_vocab_size, vocab) if cfg.draft_vocab_size else None
+    draft_vocab = choose_draft_vocab(train_rows, draft_vocab_size, vocab) if draft_vocab_size else None
+    mask_token_id = cfg.mask_token_id
+    if mask_token_id is None:
+        if tokenizer is None:
+            raise ValueError("Set mask_token_id in the training config (a reserved target token outside the draft "
+                             "vocabulary, e.g. 16 = <empty_output> for SmolLM2), or pass the target's tokenizer.")
+        mask_token_id = reserved_mask_token(tokenizer, draft_vocab)
     config = DSparkConfig.for_target(
         target,
         num_context_layers=cfg.num_context_layers,
@@ -238,10 +289,11 @@ def build_drafter(target, cfg: TrainConfig, train_rows) -> DSparkDrafter:
         block_size=cfg.block_size,
         draft_vocab_size=draft_vocab_size,
         verification="scheduler" if cfg.confidence_head else "fixed",
+        mask_token_id=mask_token_id,
     )
     drafter = DSparkDrafter(config)
-    if draft_vocab_size:
-        drafter.set_draft_vocab(choose_draft_vocab(train_rows, draft_vocab_size, vocab))
+    if draft_vocab is not None:
+        drafter.set_draft_vocab(draft_vocab)
     if cfg.init_from_target_layers:
         init_layers_from_target(drafter, target, cfg.init_from_target_layers)
     return drafter.bind(target)

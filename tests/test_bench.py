@@ -112,7 +112,7 @@ V, D = 96, 64
 def tiny_drafter(target, head, confidence):
     torch.manual_seed({"markov": 1, "rnn": 2, "none": 3}[head])
     config = DSparkConfig.for_target(target, target_layer_ids=[0, 1], num_hidden_layers=1, sequential_head=head,
-                                     sequential_rank=16, block_size=3, confidence_head=confidence)
+                                     sequential_rank=16, block_size=3, confidence_head=confidence, mask_token_id=0)
     drafter = DSparkDrafter(config).bind(target).eval()
     if confidence:
         drafter.calibration = SequentialTemperatureScaling(temperatures=[0.9, 1.1, 1.0])

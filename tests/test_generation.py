@@ -150,6 +150,20 @@ def test_greedy_identical_to_plain_generate(target, drafters, prompts, reference
         assert len(lengths) >= min(gamma + 1, 3), lengths
 
 
+@pytest.mark.parametrize("mode", ["fixed", "scheduler"])
+@pytest.mark.parametrize("head", HEADS)
+def test_greedy_identical_with_v1_drafters(target, prompts, references, head, mode):
+    """v1 drafters (learned mask vector, no QK-norm, no head biases) stay lossless on the same paths."""
+    drafter = ready_cycle_drafter(target, head, version=1)
+    assert drafter.mask_embedding is not None and drafter.layers[0].self_attn.q_norm is None
+    accepting_rounds = 0
+    for i, (prompt, ref) in enumerate(zip(prompts, references)):
+        out = generate(target, prompt, drafter, mode, 7)
+        assert_greedy_identical(target, out, ref, f"v1 {head}/{mode}/prompt {i}")
+        accepting_rounds += sum(r.accepted >= 1 for r in drafter.last_stats.rounds)
+    assert accepting_rounds >= 10, "acceptance paths not exercised"
+
+
 def test_scheduled_lengths_vary(target, drafters, prompts, seen_lengths):
     """Over the module, the non-flat SPS curve and spread confidences give many distinct ℓ."""
     if not seen_lengths["scheduler"]:  # run alone: fill it here
@@ -246,7 +260,7 @@ def test_block_size_defaults_to_config_per_call(target, drafters, prompts):
 
 def test_untrained_drafter_is_still_lossless(target, prompts, references):
     """A randomly initialised drafter (drafts nearly always rejected) keeps greedy identity."""
-    config = DSparkConfig.for_target(target, target_layer_ids=[0], num_hidden_layers=1, sequential_rank=8)
+    config = DSparkConfig.for_target(target, target_layer_ids=[0], num_hidden_layers=1, sequential_rank=8, mask_token_id=0)
     torch.manual_seed(9)
     drafter = DSparkDrafter(config)
     drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * 16)
@@ -395,7 +409,8 @@ def test_block_size_out_of_range_raises(target, drafters, prompts, forward_calls
 
 def test_drafter_for_other_vocab_raises_at_generate(target, prompts, forward_calls):
     other = tiny_llama(V + 16, D, 2, seed=None, head_dim=16, **LLAMA_DEFAULT_TOKENS)
-    drafter = DSparkDrafter(DSparkConfig.for_target(other, num_context_layers=1, num_hidden_layers=1, sequential_rank=8))
+    drafter = DSparkDrafter(DSparkConfig.for_target(other, num_context_layers=1, num_hidden_layers=1, sequential_rank=8,
+                                                    mask_token_id=0))
     drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * 16)
     _raises_before_compute(forward_calls, "Vocabulary mismatch.*dspark train",
                            lambda: generate(target, prompts[1], drafter, "fixed", 4))
@@ -475,7 +490,7 @@ def sampling_drafter(target, draft_vocab=None):
     only far from p(d) when q(d) is moderate — that is what makes the biased variant detectable.
     """
     config = DSparkConfig.for_target(target, target_layer_ids=[0], num_hidden_layers=1, sequential_head="markov",
-                                     sequential_rank=8, block_size=4, draft_vocab_size=draft_vocab)
+                                     sequential_rank=8, block_size=4, draft_vocab_size=draft_vocab, mask_token_id=0)
     torch.manual_seed(1)
     drafter = DSparkDrafter(config).eval()
     with torch.no_grad():
