@@ -116,6 +116,13 @@ def cmd_train(args):
     from .training import TrainConfig, train
 
     cfg = TrainConfig.from_yaml(args.config)
+    if args.export_tokens:
+        from .data import export_tokens
+
+        if not cfg.tokens_file:
+            sys.exit(f"--export-tokens writes the config's tokens_file, and {args.config} sets none.")
+        print(f"{export_tokens(cfg.data_dir, cfg.tokens_file)} rows of {cfg.data_dir} written to {cfg.tokens_file}")
+        return
     if cfg.threads:  # regeneration and training alike: pinned threads hold up when the machine is shared
         import torch
 
@@ -125,7 +132,7 @@ def cmd_train(args):
 
     layers = spread_layer_ids(target.config.num_hidden_layers, cfg.num_context_layers)
     prepare_data(target, tokenizer, cfg.data_dir, layers, cfg.target_tokens, cfg.gen_batch_size,
-                 max_new_tokens=cfg.max_new_tokens, worker=args.worker)
+                 max_new_tokens=cfg.max_new_tokens, worker=args.worker, tokens_file=cfg.tokens_file)
     if args.prepare_only:
         return
     print(f"drafter saved to {train(target, cfg, command=f'dspark train --config {args.config}')}")
@@ -197,6 +204,8 @@ def main(argv=None):
     p = command("train", cmd_train, "regenerate data with the target and train a drafter")
     p.add_argument("--config", default=str(DEFAULT_TRAIN_CONFIG))
     p.add_argument("--prepare-only", action="store_true", help="only generate and cache the training data")
+    p.add_argument("--export-tokens", action="store_true",
+                   help="write the token ids of data_dir's shards to the config's tokens_file (to commit) and exit")
     p.add_argument("--worker", type=_worker, default=(0, 1), metavar="K/N",
                    help="regenerate only shards i with i %% N == K, so N processes can share the work (default 0/1)")
 

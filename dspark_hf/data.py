@@ -14,6 +14,7 @@ complete shard. The split (train / validation / calibration / test) is fixed per
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import re
@@ -201,6 +202,55 @@ def generate_batch(target, tokenizer, prompts: list[list[int]], layer_ids, topk,
     return rows
 
 
+@torch.inference_mode()
+def featurize_batch(target, rows: list[dict], layer_ids, topk) -> list[dict]:
+    """Recompute the training signals of already regenerated rows with one forward pass (no generation).
+
+    ``rows`` hold ``input_ids`` (prompt + response) and ``prompt_len``, as :func:`export_tokens` writes them.
+    Returns dicts shaped as :func:`generate_batch`'s: ``features`` ``[n - 1, m * d]`` fp16 and ``topk_ids`` /
+    ``topk_probs`` ``[n - prompt_len - 1, K]``. A prefill costs a fraction of the token-by-token regeneration,
+    so a committed token file (see :func:`export_tokens`) rebuilds a dataset on a fresh machine cheaply.
+    """
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = torch.tensor([list(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in rows])
+    mask = torch.tensor([[1] * len(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in rows])
+    out = target(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    features = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.float16)  # [B, width, m*d]
+    result = []
+    for b, row in enumerate(rows):
+        n, p = len(row["input_ids"]), int(row["prompt_len"])
+        probs, top = out.logits[b, p : n - 1].float().softmax(-1).topk(topk, dim=-1)  # [n - p - 1, K]
+        result.append(dict(input_ids=list(row["input_ids"]), prompt_len=p, features=features[b, : n - 1].numpy(),
+                           topk_ids=top.to(torch.int32).numpy(), topk_probs=probs.to(torch.float16).numpy()))
+    return result
+
+
+def export_tokens(data_dir: str | Path, path: str | Path) -> int:
+    """Write the token ids of every shard under ``data_dir`` to ``path`` (JSON lines, gzip); returns the row count.
+
+    One line per row: ``shard``, ``record_id``, ``split``, ``prompt_len``, ``input_ids``. The file is small
+    (~1 MB per 300k response tokens) and can be committed, so the regeneration's CPU hours survive a machine.
+    """
+    lines = []
+    for shard_dir in sorted(Path(data_dir).glob("shard-*")):
+        shard = int(shard_dir.name.removeprefix("shard-"))
+        ds = datasets.load_from_disk(str(shard_dir)).select_columns(["record_id", "split", "prompt_len", "input_ids"])
+        lines += [json.dumps({"shard": shard, **row}) for row in ds]
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join(lines) + "\n")
+    return len(lines)
+
+
+def read_tokens(path: str | Path) -> dict[int, list[dict]]:
+    """``{shard: [row, ...]}`` from a file written by :func:`export_tokens`."""
+    shards: dict[int, list[dict]] = {}
+    with gzip.open(path, "rt") as f:
+        for line in f:
+            row = json.loads(line)
+            shards.setdefault(row.pop("shard"), []).append(row)
+    return shards
+
+
 def _as_list(value) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
@@ -254,12 +304,15 @@ def prepare_data(
     sampling: dict | None = None,
     queue: list[tuple] | None = None,
     worker: tuple[int, int] = (0, 1),
+    tokens_file: str | Path | None = None,
 ) -> Path:
     """Regenerate responses with the target and cache the drafter's training signals, resumably.
 
     Args:
         queue: ``(record_id, split, prompt_ids)`` to answer, in order; default :func:`sharegpt_queue`.
         sampling: ``generate`` sampling kwargs (default T=0.2, top-p 0.9, SmolLM2's recommendation).
+        tokens_file: a file of :func:`export_tokens`; its shards are rebuilt by :func:`featurize_batch`
+            (one forward pass) instead of being regenerated.
 
     Shard ``i`` answers prompts ``i * batch_size ...`` of the queue. ``worker=(k, n)`` makes only the shards
     with ``i % n == k``, so ``n`` processes (one thread each) can regenerate side by side. Stops once
@@ -273,15 +326,22 @@ def prepare_data(
     done = {int(d.name.removeprefix("shard-")) for d in out_dir.glob("shard-*")}
     stored = sum(sum(len(x) - p for x, p in zip(*_lengths(d))) for d in out_dir.glob("shard-*"))
     index, workers = worker
+    known = read_tokens(tokens_file) if tokens_file is not None and Path(tokens_file).is_file() else {}
     bar = tqdm(total=target_tokens, initial=stored, desc="response tokens", unit="tok")
-    for shard in range((len(queue) + batch_size - 1) // batch_size):
+    n_shards = max((len(queue) + batch_size - 1) // batch_size, max(known, default=-1) + 1)
+    for shard in range(n_shards):
         if shard in done or shard % workers != index:
             continue
         if stored >= target_tokens:
             break
         torch.manual_seed(shard)  # a shard draws the same samples whichever worker makes it, whenever
-        batch = queue[shard * batch_size : (shard + 1) * batch_size]
-        rows = generate_batch(target, tokenizer, [ids for _, _, ids in batch], layer_ids, topk, max_new_tokens, sampling)
+        if shard in known:
+            batch = [(r["record_id"], r["split"], None) for r in known[shard]]
+            chunks = [known[shard][i : i + 4] for i in range(0, len(batch), 4)]  # 4 rows a forward: bounded logits
+            rows = [row for chunk in chunks for row in featurize_batch(target, chunk, layer_ids, topk)]
+        else:
+            batch = queue[shard * batch_size : (shard + 1) * batch_size]
+            rows = generate_batch(target, tokenizer, [ids for _, _, ids in batch], layer_ids, topk, max_new_tokens, sampling)
         columns = {k: [] for k in shard_features(1, 1)}
         for (record_id, split, _), row in zip(batch, rows):
             if row is None:

@@ -47,6 +47,7 @@ class TrainConfig:
     target_tokens: int = 300_000
     gen_batch_size: int = 48
     max_new_tokens: int = 192
+    tokens_file: str | None = None  # committed token ids of past regenerations (data.export_tokens): featurized, not regenerated
     # optimisation
     steps: int = 3000
     max_minutes: float = 60.0
