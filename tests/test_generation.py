@@ -24,8 +24,10 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 from transformers.generation.streamers import BaseStreamer
 
 import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
-from conftest import CYCLE_VOCAB, LLAMA_DEFAULT_TOKENS, cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
+from conftest import CYCLE, CYCLE_VOCAB, LLAMA_DEFAULT_TOKENS, cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
 from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling, prepack_linears
+from dspark_hf.config import MAX_BLOCK_SIZE
+from dspark_hf.lookup import LookupDrafting
 from dspark_hf.scheduler import schedule_global, schedule_prefix, threshold_prefix
 
 HEADS = ("none", "markov", "rnn")
@@ -563,3 +565,109 @@ def test_argmax_drafts_with_drafter_logits_fail_the_check(sampling_setup, monkey
     results = [chi_square(counts, law, N_SAMPLES) for counts, law in zip(tables, laws)]
     assert accept_rate >= 0.2
     assert min(p for _, _, p in results) < P_BIASED, f"biased drafter not detected: {results}"
+
+
+# ------------------------------------------------------------------ prompt lookup (dspark_lookup=True)
+# Prompts that contain a stretch of the cycle f give lookup hits (the greedy target mostly continues f, so the text
+# after an earlier occurrence of the anchor is often right) and misses (it leaves f ~17 % of the time); random
+# prompts mostly give no match at all. Every round's plan is replayed from the output alone (check_lookup_stats):
+# the plan may only depend on the accepted text and on earlier rounds, never on a draft of its own round.
+LOOKUP_NEW = 24
+
+
+def cycle_prompt(generator, n_noise=3, n_cycle=14, trap_every=0):
+    """``noise + [z, f(z), ..., f^13(z)] + noise[:1] + [z]``: the anchor ``z`` occurred before, followed by f.
+
+    ``trap_every = t``: every t-th token of the stretch is replaced by a random one, so a long enough lookup
+    continuation holds a token the target rejects.
+    """
+    z = int(torch.randint(0, V, (1,), generator=generator))
+    noise = torch.randint(0, V, (n_noise,), generator=generator).tolist()
+    stretch = [z]
+    for _ in range(n_cycle - 1):
+        stretch.append(int(CYCLE[stretch[-1]]))
+    for i in range(trap_every, n_cycle, trap_every or n_cycle):
+        stretch[i] = int(torch.randint(0, V, (1,), generator=generator))
+    return torch.tensor([noise + stretch + noise[:1] + [z]])
+
+
+@pytest.fixture(scope="module")
+def lookup_prompts(prompts):
+    g = torch.Generator().manual_seed(14)
+    return [cycle_prompt(g) for _ in range(3)] + [cycle_prompt(g, trap_every=t) for t in (2, 3, 4)] + prompts[1:3]
+
+
+@pytest.fixture(scope="module")
+def lookup_references(target, lookup_prompts):
+    return [target.generate(p, max_new_tokens=LOOKUP_NEW, do_sample=False) for p in lookup_prompts]
+
+
+def mode_length(drafter, confidences, gamma, mode, previous):
+    """ℓ of a DSpark round by the verification mode (as check_stats); returns ``(ℓ, previous for async)``."""
+    if mode == "fixed":
+        return gamma, previous
+    if mode == "threshold":
+        return threshold_prefix(confidences, THRESHOLD), previous
+    c = drafter.calibration.apply(torch.tensor(confidences))
+    sps = drafter.sps_curve.steps_per_s[: gamma + 1]
+    if mode == "scheduler":
+        return schedule_prefix(c, sps), previous
+    return (gamma if previous is None else schedule_global(torch.cat([c[:1], previous[1:]]), sps)), c
+
+
+def check_lookup_stats(drafter, out, prompt_len, max_new, gamma, mode):
+    """Replay every round's plan from the output tokens and the earlier rounds only, and check the round against it.
+
+    Returns the list of planned sources. A plan that looked at the round's own drafts (or its confidences) would
+    not be reproduced here: the replay plans each round before reading anything the round drafted.
+    """
+    stats = drafter.last_stats
+    state = LookupDrafting(drafter.calibration, drafter.sps_curve.steps_per_s, MAX_BLOCK_SIZE)
+    max_length = prompt_len + max_new
+    length, previous, sources = prompt_len + 1, None, []
+    for r in stats.rounds:
+        room = max_length - length - 1
+        gamma_r = min(gamma, room)
+        plan = state.plan(out[:, :length], gamma_r, room)
+        k = len(plan.lookup_tokens)
+        assert (r.lookup, r.draft_tokens[:k]) == (k, list(plan.lookup_tokens)), (plan, r)
+        assert 0 <= r.accepted <= r.scheduled <= r.drafted
+        if plan.source == "lookup":
+            assert r.confidences == [] and r.drafted == r.scheduled == plan.length == k >= 1
+        else:
+            assert r.drafted == len(r.confidences) == gamma_r
+            if plan.source == "hybrid":
+                assert r.scheduled == plan.length > k >= 1
+            else:
+                ell, previous = mode_length(drafter, r.confidences, gamma_r, mode, previous)
+                assert r.scheduled == ell
+            state.observe_block(torch.tensor(r.confidences))
+        assert torch.equal(out[0, length:length + r.accepted], torch.tensor(r.draft_tokens[:r.accepted]))
+        state.update(out[:, :length + r.accepted + 1], r.accepted)
+        sources.append(plan.source)
+        length += r.accepted + 1
+    tail = out.shape[1] - length
+    assert tail == 0 or (tail == 1 and length == max_length - 1), (tail, length, max_length)
+    found = stats.token_sources()
+    assert found == dict(lookup=sum(min(r.accepted, r.lookup) for r in stats.rounds),
+                         dspark=sum(r.accepted - min(r.accepted, r.lookup) for r in stats.rounds),
+                         target=len(stats.rounds))
+    return sources
+
+
+@pytest.mark.parametrize("gamma", GAMMAS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("head", HEADS)
+def test_greedy_identical_with_lookup(target, drafters, lookup_prompts, lookup_references, head, mode, gamma):
+    drafter = drafters[head]
+    sources, hits, misses = [], 0, 0
+    for i, (prompt, ref) in enumerate(zip(lookup_prompts, lookup_references)):
+        out = generate(target, prompt, drafter, mode, gamma, max_new=LOOKUP_NEW, dspark_lookup=True)
+        assert_greedy_identical(target, out, ref, f"lookup {head}/{mode}/γ={gamma}/prompt {i}")
+        sources += check_lookup_stats(drafter, out, prompt.shape[1], LOOKUP_NEW, gamma, mode)
+        rounds = drafter.last_stats.rounds
+        hits += drafter.last_stats.token_sources()["lookup"]
+        misses += sum(r.accepted < min(r.lookup, r.scheduled) for r in rounds)  # a lookup token rejected
+    assert hits >= 1 and misses >= 1, (hits, misses)  # accepted lookup tokens, and rounds that rejected one
+    assert ("hybrid" if gamma > 1 else "lookup") in sources, sources  # γ = 1 leaves no room for a hybrid
+    assert "dspark" in sources
