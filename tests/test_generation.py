@@ -11,6 +11,7 @@ so rejections happen too. Everything is tiny and CPU-only.
 """
 
 import copy
+import random
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateG
 from conftest import CYCLE, CYCLE_VOCAB, LLAMA_DEFAULT_TOKENS, cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
 from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling, prepack_linears
 from dspark_hf.config import MAX_BLOCK_SIZE
-from dspark_hf.lookup import LookupDrafting
+from dspark_hf.lookup import LookupDrafting, RoundPlan, find_continuation
 from dspark_hf.scheduler import schedule_global, schedule_prefix, threshold_prefix
 
 HEADS = ("none", "markov", "rnn")
@@ -504,21 +505,25 @@ def chi_square(counts, law, n):
     return float(x2), df, float(p)
 
 
-def sample_tables(target, prompt, drafter, mode, n):
+def sample_tables(target, prompt, drafter, mode, n, first_rounds=None, **kwargs):
     """Counts of (t1, t2) and (t2, t3) over ``n`` sampled generations, the share of drafting rounds that
-    verified something (ℓ >= 1) and accepted a draft, and the scheduled lengths of the drafting round."""
+    verified something (ℓ >= 1) and accepted a draft, and the scheduled lengths of the drafting round.
+
+    ``first_rounds`` (a list) collects each generation's first round; ``kwargs`` go to ``generate``."""
     first_pair, second_pair = torch.zeros(SV, SV), torch.zeros(SV, SV)
     accepting, verifying, lengths = 0, 0, set()
     torch.manual_seed(1234)
     for _ in range(n):
         out = target.generate(prompt, max_new_tokens=4, do_sample=True, temperature=1.0, top_k=None,
                               assistant_model=drafter, dspark_verification=mode, dspark_block_size=4,
-                              dspark_threshold=THRESHOLD)
+                              dspark_threshold=THRESHOLD, **kwargs)
         t1, t2, t3 = out[0, 3:6].tolist()
         first_pair[t1, t2] += 1
         second_pair[t2, t3] += 1
         rounds = drafter.last_stats.rounds
-        assert rounds[0].drafted == 2
+        assert rounds[0].drafted == 2 or rounds[0].drafted == rounds[0].lookup  # a lookup round: its planned ℓ
+        if first_rounds is not None:
+            first_rounds.append(rounds[0])
         accepting += rounds[0].accepted >= 1
         verifying += rounds[0].scheduled >= 1
         # "async" verifies all of round 1 and plans round 2 from it; the other modes decide in round 1
@@ -671,3 +676,88 @@ def test_greedy_identical_with_lookup(target, drafters, lookup_prompts, lookup_r
     assert hits >= 1 and misses >= 1, (hits, misses)  # accepted lookup tokens, and rounds that rejected one
     assert ("hybrid" if gamma > 1 else "lookup") in sources, sources  # γ = 1 leaves no room for a hybrid
     assert "dspark" in sources
+
+
+# ------------------------------------------------------------------------ sampling with lookup drafts
+# Round 1 of the exactness protocol above (γ = 2) is planned by coin flips drawn from their own generator, i.e.
+# independently of every draft: a lookup round (one-hot proposals, no drafter pass), a hybrid round (a lookup
+# token forced as draft 1, the drafter continuing from it) or a DSpark round. Lookup tokens are the real
+# continuation when the text has a match, else random tokens (any proposal fixed before drafting is lossless).
+# The same chi-square bound then has to reject a choice that peeks at the round's own DSpark draft.
+
+
+LEAK_TOKEN = 2  # the "lookup" token of the peeking planner: p(t2 = 2) ≈ 0.17, and the peek raises it to ≈ 0.28
+N_PEEK = 600  # the bias sits in one token of t2's marginal: more samples than the joint-table tests need
+
+
+def coin_flip_plan(seed):
+    rng = random.Random(seed)
+
+    def plan(self, input_ids, gamma, room):
+        self._match = find_continuation(input_ids[0], min(self.max_tokens, room))
+        tokens = self._match.tokens if self._match is not None else tuple(rng.randrange(SV) for _ in range(room))
+        source = rng.choice(("dspark", "lookup", "hybrid") if gamma > 1 and room > 1 else ("dspark", "lookup"))
+        if source == "lookup":
+            length = rng.randint(1, len(tokens))
+            return RoundPlan("lookup", tokens[:length], length)
+        if source == "hybrid":
+            k = rng.randint(1, min(len(tokens), gamma - 1))
+            return RoundPlan("hybrid", tokens[:k], rng.randint(k + 1, gamma))
+        return RoundPlan("dspark")
+
+    return plan
+
+
+@pytest.mark.parametrize("mode", ["fixed", "scheduler"])
+def test_sampling_is_exact_with_lookup_drafts(sampling_setup, monkeypatch, mode):
+    target, prompt, laws = sampling_setup
+    drafter = sampling_drafter(target)
+    monkeypatch.setattr(LookupDrafting, "plan", coin_flip_plan(7))
+    first = []
+    tables, accept_rate, _ = sample_tables(target, prompt, drafter, mode, N_SAMPLES, first, dspark_lookup=True)
+    checks = [*zip(("(t1, t2)", "(t2, t3)"), tables, laws), ("t2", tables[0].sum(0), laws[0].sum(0)),
+              ("t3", tables[1].sum(0), laws[1].sum(0))]
+    for name, counts, law in checks:
+        x2, df, p = chi_square(counts, law, N_SAMPLES)
+        assert p > P_MIN, f"{mode}: {name} chi-square {x2:.1f} on {df} df, p = {p:.2g}"
+    lookup_rounds = [r for r in first if r.lookup]
+    assert sum(not r.confidences for r in lookup_rounds) >= 40 and sum(bool(r.confidences) for r in lookup_rounds) >= 40
+    assert sum(r.accepted >= 1 for r in lookup_rounds) >= 10  # lookup tokens accepted ...
+    assert sum(r.accepted == 0 for r in lookup_rounds) >= 40  # ... and rejected (resampled from the residual)
+
+
+def test_choice_that_peeks_at_the_drafts_fails_the_check(sampling_setup, monkeypatch):
+    """A planner that proposes the lookup token only when the DSpark draft disagrees with it is biased and caught."""
+    target, prompt, laws = sampling_setup
+    drafter = sampling_drafter(target)
+    original = DSparkDrafter.draft
+
+    def peeking_draft(context, anchor, block_size=None, do_sample=False, logits_processor=None, prefix_ids=None,
+                      generator=None, forced_tokens=None):
+        block = original(drafter, context, anchor, block_size, do_sample, logits_processor, prefix_ids, generator)
+        lookup = torch.tensor([LEAK_TOKEN])
+        if forced_tokens is None and block_size > 1 and block.tokens[0] != lookup[0]:  # depends on the draft
+            return original(drafter, context, anchor, block_size, do_sample, logits_processor, prefix_ids, generator,
+                            forced_tokens=lookup)
+        return block
+
+    monkeypatch.setattr(drafter, "draft", peeking_draft)
+    tables, _, _ = sample_tables(target, prompt, drafter, "fixed", N_PEEK)
+    x2, df, p = chi_square(tables[0].sum(0), laws[0].sum(0), N_PEEK)  # the law of t2, drafted in round 1
+    assert p < P_BIASED, f"draft-dependent choice not detected: chi-square {x2:.1f} on {df} df, p = {p:.2g}"
+    exact = sample_tables(target, prompt, sampling_drafter(target), "fixed", N_PEEK)[0][0].sum(0)
+    assert chi_square(exact, laws[0].sum(0), N_PEEK)[2] > P_MIN  # the same check passes without the peek
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sampling_lookup_plans_are_made_before_drafting(target, drafters, lookup_prompts, mode):
+    """With sampling, the real planner's every round replays from the output and earlier rounds alone."""
+    sources = []
+    torch.manual_seed(0)
+    for head in HEADS:
+        for prompt in lookup_prompts[:6]:
+            out = target.generate(prompt, max_new_tokens=LOOKUP_NEW, do_sample=True, assistant_model=drafters[head],
+                                  dspark_verification=mode, dspark_block_size=7, dspark_threshold=THRESHOLD,
+                                  dspark_lookup=True)
+            sources += check_lookup_stats(drafters[head], out, prompt.shape[1], LOOKUP_NEW, 7, mode)
+    assert {"dspark", "lookup", "hybrid"} <= set(sources), sources
