@@ -393,8 +393,20 @@ def modes_of(drafter) -> list[str]:
     return ["fixed", "threshold", "scheduler", "async"] if drafter.confidence is not None else ["fixed"]
 
 
+def lookup_mode_of(drafter, gamma: int) -> str | None:
+    """Verification mode of a drafter's hybrid method (``dspark_lookup=True``, :mod:`dspark_hf.lookup`): its
+    config's mode when that is a scheduled one, else ``"async"``; ``None`` without calibrated confidences for γ."""
+    from .config import SCHEDULED_MODES
+
+    calibration = drafter.calibration
+    if drafter.confidence is None or calibration is None or len(calibration.temperatures) < gamma:
+        return None
+    return drafter.config.verification if drafter.config.verification in SCHEDULED_MODES else "async"
+
+
 def plan_methods(drafters: dict, adapters: dict, settings: BenchSettings) -> list[Method]:
-    """Pass-2 methods: plain, prompt lookup, built-in DFlash, then every drafter's modes but ``threshold``.
+    """Pass-2 methods: plain, prompt lookup, built-in DFlash, then every drafter's modes but ``threshold``, and
+    its hybrid with prompt lookup ``<drafter>:<mode>+lookup`` (see :func:`lookup_mode_of`).
 
     The threshold mode needs the best t of the sweep over pass 2's fixed rounds: see :func:`threshold_methods`.
     """
@@ -408,6 +420,10 @@ def plan_methods(drafters: dict, adapters: dict, settings: BenchSettings) -> lis
             if mode != "threshold":
                 methods.append(Method(f"{name}:{mode}", name,
                                       {"dspark_verification": mode, "dspark_block_size": settings.gamma}))
+        mode = lookup_mode_of(drafter, settings.gamma)
+        if mode is not None:
+            methods.append(Method(f"{name}:{mode}+lookup", name, {
+                "dspark_verification": mode, "dspark_block_size": settings.gamma, "dspark_lookup": True}))
     return methods
 
 
@@ -531,12 +547,15 @@ def summarize_wall_clock(records: dict, methods: list[Method], log=_log_default)
                 })
             plain_median = median([p["runs"]["plain"].tokens_per_s for p in prompts])
             tps = median([r["tokens_per_s"] for r in rows])
+            stats = [p["runs"][method.name].stats for p in prompts if p["runs"][method.name].stats is not None]
             per_method[method.name] = {
                 "median_tokens_per_s": tps,
                 "median_speedup": median([r["speedup"] for r in rows]),  # median of per-prompt ratios
                 "speedup_of_medians": tps / plain_median if tps and plain_median else None,
                 "tau": pooled_tau(rows),
                 "mismatches": sum(not r["identical"] for r in rows),
+                "token_sources": {k: sum(st.token_sources()[k] for st in stats) for k in ("lookup", "dspark", "target")}
+                if stats else None,
                 "per_prompt": rows,
             }
         summary[suite] = per_method
@@ -867,6 +886,14 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
     return "\n".join(lines)
 
 
+def _sources(counts: dict | None) -> str:
+    """``"lookup / dspark / target"`` shares of a method's tokens in percent (``–`` for methods without rounds)."""
+    total = sum(counts.values()) if counts else 0
+    if not total:
+        return "–"
+    return " / ".join(f"{100 * counts[k] / total:.0f}%" for k in ("lookup", "dspark", "target"))
+
+
 def markdown_report(result: dict) -> str:
     """The tables of ``benchmarks.md``."""
     m, s = result["machine"], result["settings"]
@@ -931,10 +958,10 @@ def markdown_report(result: dict) -> str:
     out += ["## Wall clock (greedy; methods interleaved per prompt)", "",
             f"Greedy outputs differing from plain `generate`: **{wall['mismatches_total']}**", ""]
     for suite, per_method in wall["suites"].items():
-        rows = [[name, v["median_tokens_per_s"], v["median_speedup"], v["speedup_of_medians"], v["tau"], v["mismatches"]]
-                for name, v in per_method.items()]
-        out += [f"**{suite}**", "", _table(["method", "median tok/s", "median per-prompt speedup",
-                                            "speedup of medians", "τ", "mismatches"], rows), ""]
+        rows = [[name, v["median_tokens_per_s"], v["median_speedup"], v["speedup_of_medians"], v["tau"],
+                 _sources(v.get("token_sources")), v["mismatches"]] for name, v in per_method.items()]
+        out += [f"**{suite}**", "", _table(["method", "median tok/s", "median per-prompt speedup", "speedup of medians",
+                                            "τ", "tokens from lookup / DSpark / target", "mismatches"], rows), ""]
     b = result["builtin_dflash"]
     out += [f"Built-in `speculation_type=\"dflash\"`: {b['status']}. {b['note']}", ""]
 
