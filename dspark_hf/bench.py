@@ -9,9 +9,11 @@ What is measured (paper §4; symbols as in :mod:`dspark_hf.calibration`):
 3. Confidence: ECE of the prefix survival a_k before / after STS, ROC-AUC of c_k per position, and a
    static threshold sweep replayed offline on the recorded fixed rounds (Fig. 5).
 4. Wall clock, greedy: tokens/s and speedup over plain ``generate`` of plain, prompt lookup, the
-   built-in ``speculation_type="dflash"`` path (parallel drafters, through :class:`BuiltinDFlashAdapter`)
-   and every drafter's verification modes; methods interleaved prompt by prompt, every greedy
-   speculative output checked token-identical to plain ``generate``.
+   built-in ``speculation_type="dflash"`` path (parallel drafters, through :class:`BuiltinDFlashAdapter`),
+   every drafter's verification modes and each calibrated drafter's hybrid with prompt lookup
+   (``<drafter>:<mode>+lookup``, :mod:`dspark_hf.lookup`); methods interleaved prompt by prompt, every greedy
+   speculative output checked token-identical to plain ``generate``, and the share of each method's tokens that
+   came from lookup, DSpark and the target reported.
 5. The machine's SPS curve and each drafter's cost per round (median draft ms vs verify ms).
 
 Layout: suites (prompt sources) -> pure metrics -> runner -> report (JSON, Markdown, PNG). The runner
@@ -29,8 +31,8 @@ train/validation/calibration) minus the math ones; ``math`` = the held-out Share
 :func:`is_math_problem` accepts; ``custom`` = a JSONL file of ``{"prompt": ...}`` lines.
 
 Budget of the defaults (``BenchSettings``: 4 prompts per suite, 96 new tokens, three drafters) on a 2-core
-CPU where plain greedy runs at ~20 tok/s: 3 + 10 (+ 3) generations per prompt, 12 prompts x ~13
-generations x ~5 s ≈ 12-15 min. ``--limit N`` is a quick run at 32 new tokens (see :func:`settings_from_args`).
+CPU where plain greedy runs at ~20 tok/s: 3 + 12 (+ 3) generations per prompt (two of them the ``+lookup``
+hybrids), 12 prompts x ~15 generations x ~5 s ≈ 14-17 min. ``--limit N`` is a quick run at 32 new tokens (see :func:`settings_from_args`).
 """
 
 from __future__ import annotations
