@@ -243,7 +243,7 @@ def full_rounds(stats_list, gamma: int) -> tuple[list[int], list[list[float]]]:
     accepted, confidences = [], []
     for stats in stats_list:
         for r in stats.rounds[:-1]:
-            if r.drafted == r.scheduled == gamma:
+            if r.drafted == r.scheduled == gamma and not r.lookup:  # lookup tokens are not the drafter's
                 accepted.append(r.accepted)
                 if r.confidences:
                     confidences.append(list(r.confidences))

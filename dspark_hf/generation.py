@@ -114,7 +114,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
     context cache, drafts γ tokens from the anchor (the last token of ``input_ids``), picks a prefix
     length ℓ by the verification mode and returns ``input_ids + drafts[:ℓ]``. With sampling the drafts
     are drawn from the returned (processed) logits, so transformers' speculative sampling is exact;
-    with greedy decoding no logits are returned and the target's argmax decides.
+    with greedy decoding no logits are returned and the target's argmax decides. With ``dspark_lookup=True`` a
+    :class:`~dspark_hf.lookup.LookupDrafting` plans each round first: a prompt-lookup continuation (no drafter
+    pass, one-hot proposal logits), the DSpark block, or lookup tokens forced as the block's first drafts.
 
     Raises:
         ValueError: batch size > 1, an unknown verification mode, a non-``fixed`` mode without a
@@ -189,7 +191,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if gamma <= 0:
             return input_ids, None
         start = time.perf_counter()
-        plan = self.lookup.plan(input_ids, gamma, self.max_length - input_ids.shape[1] - 1) if self.lookup else None
+        room = self.max_length - input_ids.shape[1] - 1
+        plan = self.lookup.plan(input_ids, gamma, room) if self.lookup is not None else None  # before any drafting
         if plan is not None and plan.source == "lookup":  # no drafter pass
             drafts, confidences = torch.tensor(plan.lookup_tokens), None
             draft_logits = one_hot_logits(drafts, self.drafter.config.vocab_size) if self.do_sample else None
