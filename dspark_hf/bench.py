@@ -9,9 +9,11 @@ What is measured (paper §4; symbols as in :mod:`dspark_hf.calibration`):
 3. Confidence: ECE of the prefix survival a_k before / after STS, ROC-AUC of c_k per position, and a
    static threshold sweep replayed offline on the recorded fixed rounds (Fig. 5).
 4. Wall clock, greedy: tokens/s and speedup over plain ``generate`` of plain, prompt lookup, the
-   built-in ``speculation_type="dflash"`` path (parallel drafters, through :class:`BuiltinDFlashAdapter`)
-   and every drafter's verification modes; methods interleaved prompt by prompt, every greedy
-   speculative output checked token-identical to plain ``generate``.
+   built-in ``speculation_type="dflash"`` path (parallel drafters, through :class:`BuiltinDFlashAdapter`),
+   every drafter's verification modes and each calibrated drafter's hybrid with prompt lookup
+   (``<drafter>:<mode>+lookup``, :mod:`dspark_hf.lookup`); methods interleaved prompt by prompt, every greedy
+   speculative output checked token-identical to plain ``generate``, and the share of each method's tokens that
+   came from lookup, DSpark and the target reported.
 5. The machine's SPS curve and each drafter's cost per round (median draft ms vs verify ms).
 
 Layout: suites (prompt sources) -> pure metrics -> runner -> report (JSON, Markdown, PNG). The runner
@@ -29,8 +31,8 @@ train/validation/calibration) minus the math ones; ``math`` = the held-out Share
 :func:`is_math_problem` accepts; ``custom`` = a JSONL file of ``{"prompt": ...}`` lines.
 
 Budget of the defaults (``BenchSettings``: 4 prompts per suite, 96 new tokens, three drafters) on a 2-core
-CPU where plain greedy runs at ~20 tok/s: 3 + 10 (+ 3) generations per prompt, 12 prompts x ~13
-generations x ~5 s ≈ 12-15 min. ``--limit N`` is a quick run at 32 new tokens (see :func:`settings_from_args`).
+CPU where plain greedy runs at ~20 tok/s: 3 + 12 (+ 3) generations per prompt (two of them the ``+lookup``
+hybrids), 12 prompts x ~15 generations x ~5 s ≈ 14-17 min. ``--limit N`` is a quick run at 32 new tokens (see :func:`settings_from_args`).
 """
 
 from __future__ import annotations
@@ -218,7 +220,7 @@ def full_rounds(stats_list, gamma: int) -> tuple[list[int], list[list[float]]]:
     accepted, confidences = [], []
     for stats in stats_list:
         for r in stats.rounds[:-1]:
-            if r.drafted == r.scheduled == gamma:
+            if r.drafted == r.scheduled == gamma and not r.lookup:  # lookup tokens are not the drafter's
                 accepted.append(r.accepted)
                 if r.confidences:
                     confidences.append(list(r.confidences))
@@ -371,8 +373,20 @@ def modes_of(drafter) -> list[str]:
     return ["fixed", "threshold", "scheduler", "async"] if drafter.confidence is not None else ["fixed"]
 
 
+def lookup_mode_of(drafter, gamma: int) -> str | None:
+    """Verification mode of a drafter's hybrid method (``dspark_lookup=True``, :mod:`dspark_hf.lookup`): its
+    config's mode when that is a scheduled one, else ``"async"``; ``None`` without calibrated confidences for γ."""
+    from .config import SCHEDULED_MODES
+
+    calibration = drafter.calibration
+    if drafter.confidence is None or calibration is None or len(calibration.temperatures) < gamma:
+        return None
+    return drafter.config.verification if drafter.config.verification in SCHEDULED_MODES else "async"
+
+
 def plan_methods(drafters: dict, adapters: dict, settings: BenchSettings) -> list[Method]:
-    """Pass-2 methods: plain, prompt lookup, built-in DFlash, then every drafter's modes but ``threshold``.
+    """Pass-2 methods: plain, prompt lookup, built-in DFlash, then every drafter's modes but ``threshold``, and
+    its hybrid with prompt lookup ``<drafter>:<mode>+lookup`` (see :func:`lookup_mode_of`).
 
     The threshold mode needs the best t of the sweep over pass 2's fixed rounds: see :func:`threshold_methods`.
     """
@@ -386,6 +400,10 @@ def plan_methods(drafters: dict, adapters: dict, settings: BenchSettings) -> lis
             if mode != "threshold":
                 methods.append(Method(f"{name}:{mode}", name,
                                       {"dspark_verification": mode, "dspark_block_size": settings.gamma}))
+        mode = lookup_mode_of(drafter, settings.gamma)
+        if mode is not None:
+            methods.append(Method(f"{name}:{mode}+lookup", name, {
+                "dspark_verification": mode, "dspark_block_size": settings.gamma, "dspark_lookup": True}))
     return methods
 
 
@@ -509,12 +527,15 @@ def summarize_wall_clock(records: dict, methods: list[Method], log=_log_default)
                 })
             plain_median = median([p["runs"]["plain"].tokens_per_s for p in prompts])
             tps = median([r["tokens_per_s"] for r in rows])
+            stats = [p["runs"][method.name].stats for p in prompts if p["runs"][method.name].stats is not None]
             per_method[method.name] = {
                 "median_tokens_per_s": tps,
                 "median_speedup": median([r["speedup"] for r in rows]),  # median of per-prompt ratios
                 "speedup_of_medians": tps / plain_median if tps and plain_median else None,
                 "tau": pooled_tau(rows),
                 "mismatches": sum(not r["identical"] for r in rows),
+                "token_sources": {k: sum(st.token_sources()[k] for st in stats) for k in ("lookup", "dspark", "target")}
+                if stats else None,
                 "per_prompt": rows,
             }
         summary[suite] = per_method
@@ -846,6 +867,14 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
     return "\n".join(lines)
 
 
+def _sources(counts: dict | None) -> str:
+    """``"lookup / dspark / target"`` shares of a method's tokens in percent (``–`` for methods without rounds)."""
+    total = sum(counts.values()) if counts else 0
+    if not total:
+        return "–"
+    return " / ".join(f"{100 * counts[k] / total:.0f}%" for k in ("lookup", "dspark", "target"))
+
+
 def markdown_report(result: dict) -> str:
     """The tables of ``benchmarks.md``."""
     m, s = result["machine"], result["settings"]
@@ -910,10 +939,10 @@ def markdown_report(result: dict) -> str:
     out += ["## Wall clock (greedy; methods interleaved per prompt)", "",
             f"Greedy outputs differing from plain `generate`: **{wall['mismatches_total']}**", ""]
     for suite, per_method in wall["suites"].items():
-        rows = [[name, v["median_tokens_per_s"], v["median_speedup"], v["speedup_of_medians"], v["tau"], v["mismatches"]]
-                for name, v in per_method.items()]
-        out += [f"**{suite}**", "", _table(["method", "median tok/s", "median per-prompt speedup",
-                                            "speedup of medians", "τ", "mismatches"], rows), ""]
+        rows = [[name, v["median_tokens_per_s"], v["median_speedup"], v["speedup_of_medians"], v["tau"],
+                 _sources(v.get("token_sources")), v["mismatches"]] for name, v in per_method.items()]
+        out += [f"**{suite}**", "", _table(["method", "median tok/s", "median per-prompt speedup", "speedup of medians",
+                                            "τ", "tokens from lookup / DSpark / target", "mismatches"], rows), ""]
     b = result["builtin_dflash"]
     out += [f"Built-in `speculation_type=\"dflash\"`: {b['status']}. {b['note']}", ""]
 

@@ -69,7 +69,7 @@ def cmd_generate(args):
 
     target, tokenizer, drafter = _load(args)
     prompt_ids = chat_ids(tokenizer, args.prompt)
-    settings = {"dspark_verification": args.verify, "dspark_block_size": args.gamma}
+    settings = {"dspark_verification": args.verify, "dspark_block_size": args.gamma, "dspark_lookup": args.lookup or None}
     settings = {k: v for k, v in settings.items() if v is not None}
     streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     if args.compare:  # one short untimed run of each first, so neither timing pays first-call costs
@@ -82,6 +82,7 @@ def cmd_generate(args):
         "rounds": len(run.stats.rounds),
         "tau": run.stats.tau,
         "tokens_per_s": run.tokens_per_s,
+        "sources": run.stats.token_sources(),
     }
     if args.compare:
         base = timed_generate(target, prompt_ids, args.max_new_tokens, args.temperature)
@@ -192,6 +193,8 @@ def main(argv=None):
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--gamma", type=int, default=None, help="block size γ (default: the drafter's)")
     p.add_argument("--verify", choices=VERIFICATION_MODES, default=None, help="verification mode (default: the drafter's config.verification)")
+    p.add_argument("--lookup", action="store_true",
+                   help="also draft n-gram continuations from the prompt and the text (dspark_lookup=True)")
     p.add_argument("--compare", action="store_true", help="also run plain generate and report the speedup")
     p.add_argument("--json", action="store_true")
 

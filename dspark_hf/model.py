@@ -415,7 +415,8 @@ class DSparkDrafter(PreTrainedModel):
 
     @torch.no_grad()
     def draft(self, context: DraftContext, anchor: int, block_size: int | None = None, do_sample=False,
-              logits_processor=None, prefix_ids: torch.Tensor | None = None, generator=None) -> DraftBlock:
+              logits_processor=None, prefix_ids: torch.Tensor | None = None, generator=None,
+              forced_tokens: torch.Tensor | None = None) -> DraftBlock:
         """Draft one block after ``context`` (paper Fig. 1): one backbone pass, then left-to-right heads.
 
         Args:
@@ -425,12 +426,23 @@ class DSparkDrafter(PreTrainedModel):
             do_sample: sample each ``x_k`` from ``softmax(logits_k)``; else argmax.
             logits_processor: a ``LogitsProcessorList`` applied to each position's full-vocab logits
                 (given ``prefix_ids`` ``[1, L]`` + the drafts so far), as the target applies it.
+            forced_tokens: ``[k]`` ids (``k < γ``) taken as the first k drafts instead of drafting them (prompt
+                lookup tokens, :mod:`dspark_hf.lookup`); later positions are drafted with them as previous
+                tokens (heads, eqs. 4-7). Their logits rows are one-hot (0 at the id, ``-inf`` elsewhere): the
+                deterministic proposal they are.
 
         Returns:
             :class:`DraftBlock` (``tokens`` ``[γ]``, ``logits`` ``[γ, V]``, ``confidences`` ``[γ]``).
+
+        Raises:
+            ValueError: ``forced_tokens`` leaves no position to draft.
         """
         gamma = block_size or self.config.block_size
         device = self.context_proj.weight.device
+        forced = forced_tokens.reshape(-1).to(device) if forced_tokens is not None else None
+        n_forced = forced.numel() if forced is not None else 0
+        if n_forced >= gamma:
+            raise ValueError(f"forced_tokens must leave a position to draft: {n_forced} forced, block size {gamma}")
         anchor_t = torch.tensor([anchor], device=device)
         positions = torch.arange(context.length, context.length + gamma, device=device)[None]
         hidden = self.backbone(self.block_embeddings(anchor_t, gamma), positions, context.layers)[0]  # [γ, d]
@@ -448,7 +460,12 @@ class DSparkDrafter(PreTrainedModel):
             elif isinstance(self.sequential, RNNHead):
                 state, bias = self.sequential(state, emb, hidden[k])
                 row = row + bias
-            if full_vocab:
+            if k < n_forced:
+                prev = forced[k]
+                if full_vocab:
+                    one_hot = F.one_hot(prev, self.config.vocab_size)  # as the drafted rows: float after processors
+                    logits.append(one_hot.to(torch.float32 if processors is not None else row.dtype).log())
+            elif full_vocab:
                 full = row.new_full((self.config.vocab_size,), float("-inf"))
                 full[self.draft_vocab] = row
                 if processors is not None:

@@ -172,7 +172,7 @@ def test_runner_end_to_end(tmp_path):
     g = torch.Generator().manual_seed(5)
     suites = {
         "a": [("a0", torch.randint(1, V, (6,), generator=g).tolist()), ("a1", torch.randint(1, V, (9,), generator=g).tolist())],
-        "b": [("b0", [5, 6, 7, 5, 6, 7, 5, 6])],  # repetitive: prompt lookup finds matches
+        "b": [("b0", [5] * 8)],  # repetitive, and the target repeats itself (9 9 9 9 9 76 3 3 3 76 ...): lookup hits
     }
     settings = bench.BenchSettings(gamma=3, max_new_tokens=12, limit=2, warmup_tokens=3)
     sps = tiny_sps_curve(CPU_MS[:8])  # the CPU-like cost of verify steps of 1..8 tokens
@@ -191,6 +191,16 @@ def test_runner_end_to_end(tmp_path):
     wall = result["wall_clock"]
     assert wall["methods"][:3] == ["plain", "prompt-lookup", "dflash:builtin-dflash"]
     assert {"dspark:fixed", "dspark:scheduler", "dspark:async", "dspark-rnn:async", "dflash:fixed"} <= set(wall["methods"])
+    # the hybrid with prompt lookup, for drafters with calibrated confidences (config mode "scheduler")
+    assert {m for m in wall["methods"] if m.endswith("+lookup")} == {"dspark:scheduler+lookup",
+                                                                     "dspark-rnn:scheduler+lookup"}
+    hybrid = wall["suites"]["b"]["dspark:scheduler+lookup"]
+    n_tokens = sum(r["new_tokens"] for r in hybrid["per_prompt"])
+    assert hybrid["token_sources"]["target"] == sum(r["rounds"] for r in hybrid["per_prompt"])
+    assert sum(hybrid["token_sources"].values()) in range(n_tokens - 2, n_tokens)  # the prefill (+ a last) step
+    assert hybrid["token_sources"]["lookup"] > 0  # lookup drafts were accepted
+    assert wall["suites"]["b"]["dspark:scheduler"]["token_sources"]["lookup"] == 0
+    assert wall["suites"]["b"]["plain"]["token_sources"] is None
     best = result["confidence"]["dspark"]["best_threshold"]
     assert best, "this smoke run must cover pass 3 (the threshold mode at t > 0)"
     assert wall["methods"].index("dspark:threshold") == wall["methods"].index("dspark:fixed") + 1

@@ -137,10 +137,12 @@ def test_v1_checkpoints_draft_exactly_as_before(default_target, folder):
 def test_cli_generate_compare_json():
     result = subprocess.run(
         [sys.executable, "-m", "dspark_hf.cli", "generate", "Name three colors.", "--compare", "--json",
-         "--max-new-tokens", "16"],
+         "--max-new-tokens", "16", "--lookup"],
         capture_output=True, text=True, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     record = json.loads(result.stdout.strip().splitlines()[-1])
-    assert set(record) == {"text", "new_tokens", "rounds", "tau", "tokens_per_s", "baseline_tokens_per_s", "speedup",
-                           "identical"}
+    assert set(record) == {"text", "new_tokens", "rounds", "tau", "tokens_per_s", "sources", "baseline_tokens_per_s",
+                           "speedup", "identical"}
     assert record["identical"] is True and 0 < record["new_tokens"] <= 16 and record["tau"] >= 1
+    assert record["sources"]["target"] == record["rounds"]  # --lookup: tokens by origin (lookup / dspark / target)
+    assert sum(record["sources"].values()) in (record["new_tokens"] - 1, record["new_tokens"] - 2)
