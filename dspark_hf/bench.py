@@ -1080,8 +1080,6 @@ def settings_from_args(args) -> tuple[BenchSettings, list[str]]:
 def cmd_bench(args):
     from .cli import load_cli_target
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     started = time.perf_counter()
     try:
         settings, notes = settings_from_args(args)
@@ -1120,7 +1118,7 @@ def cmd_bench(args):
 def add_cli(sub, command):
     """Register ``dspark bench`` (see cli.main)."""
     p = command("bench", cmd_bench, "τ, acceptance, confidence and wall-clock benchmarks (JSON, Markdown, PNG)",
-                kernels=True)
+                kernels=True, compute=True)
     p.add_argument("--drafters", default=DEFAULT_DRAFTERS,
                    help="name=PATH,... (missing folders are skipped with a note); names 'dspark' and 'dflash' "
                         f"give tau_ratio_dspark_over_dflash (default: {DEFAULT_DRAFTERS})")
@@ -1140,7 +1138,6 @@ def add_cli(sub, command):
                    help=f"drafts per round γ (default: {BenchSettings.gamma}, as paper Table 1)")
     p.add_argument("--prompt-lookup", type=int, default=BenchSettings.prompt_lookup_num_tokens,
                    help=f"prompt_lookup_num_tokens of the prompt-lookup baseline (default: {BenchSettings.prompt_lookup_num_tokens})")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--no-builtin-dflash", action="store_true", help="skip the built-in speculation_type='dflash' path")
     p.add_argument("--out", default=None, help="folder for benchmarks.json, benchmarks.md and the PNGs (e.g. docs)")
     p.add_argument("--json", action="store_true", help="print the JSON to stdout")

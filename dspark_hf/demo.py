@@ -682,7 +682,8 @@ def cmd_demo(args):
 
 def add_cli(sub, command):
     """Register this module's `dspark` subcommands (see cli.main)."""
-    p = command("demo", cmd_demo, "serve the Gradio demo: live token colouring, stats, side-by-side", drafter=True)
+    p = command("demo", cmd_demo, "serve the Gradio demo: live token colouring, stats, side-by-side", drafter=True,
+                compute=True)
     p.add_argument("--port", type=int, default=None, help="port (default: $GRADIO_SERVER_PORT, else 7860)")
     p.add_argument("--share", type=boolean, nargs="?", const=True, default=False, metavar="{true,false}",
                    help="create a public Gradio share link (needs network; default false)")

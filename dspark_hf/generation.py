@@ -123,8 +123,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.mode = _setting(generation_config, "dspark_verification", cfg.verification)
         self.threshold = float(_setting(generation_config, "dspark_threshold", cfg.confidence_threshold))
         self._check_mode()
-        if self.mode in SCHEDULED_MODES and drafter.sps_curve is None:
-            drafter.set_sps_curve(load_or_profile_sps(target))
+        if self.mode in SCHEDULED_MODES and (drafter.sps_curve is None or drafter.sps_curve.max_tokens <= self.block_size):
+            drafter.set_sps_curve(load_or_profile_sps(target, max_tokens=max(cfg.block_size, self.block_size) + 1))
         self.sps = drafter.sps_curve
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
@@ -137,6 +137,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.stats = GenerationStats(verification=self.mode)
         drafter.last_stats = self.stats
         self._verify_start = None
+        self._verify_context = 0  # tokens in the target's cache before the round's verification
         self._previous = None  # "async": calibrated confidences of the previous block
 
     def _check_mode(self):
@@ -174,6 +175,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         block = self.drafter.draft(
             self.context, int(input_ids[0, -1]), gamma, self.do_sample, self.logits_processor, input_ids
         )
+        self._verify_context = input_ids.shape[1] - 1
         length = self._before_stop_string(input_ids, block.tokens, self._prefix_length(block, gamma))
         self.stats.rounds.append(
             RoundStats(
@@ -211,7 +213,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if self.mode == "threshold":
             return threshold_prefix(block.confidences, self.threshold)
         confidences = self.drafter.calibration.apply(block.confidences.float())
-        sps = self.sps.steps_per_s[: gamma + 1]
+        sps = self.sps.at(self._verify_context)[: gamma + 1]
         if self.mode == "scheduler":
             return schedule_prefix(confidences, sps)
         previous, self._previous = self._previous, confidences
@@ -235,12 +237,15 @@ class DSparkCandidateGenerator(CandidateGenerator):
         return length
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
-        """Record the number of accepted drafts and the verify time of the round just verified."""
+        """Record the number of accepted drafts and the verify time of the round just verified; in the
+        scheduled modes the time also refines the SPS curve online (:meth:`~dspark_hf.SPSCurve.observe`)."""
         if self._verify_start is not None and self.stats.rounds:
             last = self.stats.rounds[-1]
             last.accepted = int(num_matches)
             last.verify_ms = 1e3 * (time.perf_counter() - self._verify_start)
             self._verify_start = None
+            if self.mode in SCHEDULED_MODES and self.sps.online:  # B = ℓ + 1 tokens verified at this context
+                self.sps.observe(last.scheduled + 1, self._verify_context, last.verify_ms / 1e3)
 
 
 # ------------------------------------------------------------------------------------- routing
