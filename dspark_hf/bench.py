@@ -52,6 +52,8 @@ from pathlib import Path
 
 import torch
 
+from .metrics import conditional_acceptance, tau
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DRAFTERS = ("dspark=model_cards/dspark-smollm2-135m-instruct,dspark-rnn=ablations/dspark-rnn-smollm2-135m-instruct,"
                     "dflash=ablations/dflash-smollm2-135m-instruct")
@@ -147,32 +149,7 @@ def encode_suites(tokenizer, texts: dict[str, list[tuple[str, str]]], limit: int
 
 
 # ---------------------------------------------------------------------------------- pure metrics
-def tau(accepted: Sequence[int]) -> float | None:
-    """Mean accepted length per round, bonus token included (paper Table 1): ``mean(n + 1)``.
-
-    Args:
-        accepted: draft tokens accepted per round (bonus excluded), any number of rounds.
-
-    Returns:
-        τ, or ``None`` for no rounds.
-    """
-    return sum(n + 1 for n in accepted) / len(accepted) if len(accepted) else None
-
-
-def conditional_acceptance(accepted: Sequence[int], gamma: int) -> list[float | None]:
-    """Position-wise conditional acceptance ``P(n >= k | n >= k - 1)`` for ``k = 1..γ`` (paper Fig. 2).
-
-    Args:
-        accepted: draft tokens accepted per round, from rounds that verified all γ drafts.
-        gamma: drafts per round γ.
-
-    Returns:
-        γ values; ``None`` where no round reached position ``k`` (denominator 0).
-    """
-    reached = [sum(n >= k for n in accepted) for k in range(gamma + 1)]  # reached[k] = #(n >= k)
-    return [reached[k] / reached[k - 1] if reached[k - 1] else None for k in range(1, gamma + 1)]
-
-
+# (τ and conditional acceptance: dspark_hf.metrics, imported above)
 def _prefix_length(confidences: Sequence[float], threshold: float) -> int:
     """ℓ = longest prefix with every ``c_k >= threshold`` (the ``"threshold"`` verification mode)."""
     length = 0

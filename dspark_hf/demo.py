@@ -35,6 +35,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from .config import MAX_BLOCK_SIZE, SCHEDULED_MODES, VERIFICATION_MODES
 from .data import chat_ids
+from .metrics import tau
 
 # span kinds: text tokens, then the drafts that never made it into the text ("ghosts")
 DRAFT, BONUS, CORRECTION, TARGET, PLAIN = "draft", "bonus", "correction", "target", "plain"
@@ -253,10 +254,9 @@ class Transcript:
         return self.new_tokens / max(self.elapsed(), 1e-9)
 
     def tau(self) -> float | None:
-        """Mean tokens per round τ (accepted drafts + the target token), as ``GenerationStats.tau``."""
-        if not self.rounds:
-            return None
-        return sum(r.accepted + 1 for r in self.rounds) / len(self.rounds)
+        """Mean tokens per round τ (accepted drafts + the target token), :func:`dspark_hf.metrics.tau`;
+        ``None`` before the first round."""
+        return tau([r.accepted for r in self.rounds])
 
     def render(self, show_drafts: bool = True, placeholder: str = "") -> str:
         """HTML of the coloured answer: a ``.dspark-tokens`` div of ``.tok.tok-<kind>`` spans.

@@ -27,6 +27,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerationMixin, GenerationMode
 
 from .kernels import is_prepacked, prepack_linears
+from .metrics import tau
 from .model import DSparkDrafter
 from .profiling import load_or_profile_sps
 from .scheduler import schedule_global, schedule_prefix, threshold_prefix
@@ -60,8 +61,8 @@ class GenerationStats:
 
     @property
     def tau(self) -> float:
-        """Mean accepted length per round τ, INCLUDING the bonus token."""
-        return sum(r.accepted + 1 for r in self.rounds) / max(len(self.rounds), 1)
+        """Mean accepted length per round τ, INCLUDING the bonus token (:func:`dspark_hf.metrics.tau`; 0 without rounds)."""
+        return tau([r.accepted for r in self.rounds]) or 0.0
 
     def full_rounds(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Rounds that verified their whole block (γ = the call's block size), for calibration.
