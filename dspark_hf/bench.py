@@ -653,7 +653,7 @@ def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps
     notes = list(notes or [])
     start = time.perf_counter()
     # Phase 0: the machine's SPS curve; the scheduler of every drafter uses the same one.
-    sps = sps or load_or_profile_sps(target, max_tokens=max(32, settings.gamma + 1))
+    sps = sps or load_or_profile_sps(target, max_tokens=settings.gamma + 1)  # what the schedulers read
     for drafter in drafters.values():
         drafter.set_sps_curve(sps)
 

@@ -363,7 +363,7 @@ def _measure_row(target, kv, blocks, rel_tol: float, min_repeats: int, max_repea
             continue
         spread = max(_relative_spread(times) for times in seconds)
         now = time.perf_counter()
-        if (sweep >= min_repeats and (spread <= rel_tol or now >= share_end)) or (sweep >= 2 and now >= hard_end):
+        if (sweep >= min_repeats and (spread <= rel_tol or now >= share_end)) or now >= hard_end:
             break
     return [1.0 / statistics.median(times) for times in seconds], spread
 
@@ -407,8 +407,8 @@ def profile_sps(
         ``NOISY_SPREAD``.
 
     Raises:
-        ValueError: a count below 1, ``max_repeats < min_repeats``, or ``context_len + max_tokens`` beyond
-            ``max_position_embeddings``.
+        ValueError: ``max_tokens`` or ``context_len`` below 1, ``min_repeats`` below 2, ``max_repeats <
+            min_repeats``, or ``context_len + max_tokens`` beyond ``max_position_embeddings``.
 
     Warns:
         NoisySPSWarning: the curve is noisy (other load on the machine); it is cached and used anyway.
