@@ -80,7 +80,7 @@ CSS = """
 .ghost:hover .pop { display: block; }
 .tok-rejected { color: #c62828; text-decoration: line-through; background: #fde3e3; }
 .tok-pruned { color: #7a7f87; border: 1px dashed #a8adb5; background: #f5f6f8; }
-.dspark-rounds { font-size: 12px; margin-top: 6px; }
+.dspark-rounds { font-size: 12px; margin-top: 6px; max-width: 100%; max-height: 24em; overflow: auto; }
 .dspark-rounds table { border-collapse: collapse; }
 .dspark-rounds td, .dspark-rounds th { padding: 1px 6px; border-bottom: 1px solid #eceff3; text-align: left;
   font-family: ui-monospace, monospace; white-space: pre; }
@@ -311,13 +311,13 @@ class Transcript:
         tabs as visible symbols, so they never change the layout of the accepted text.
         ``show_drafts=False`` adds the ``hide-ghosts`` class that hides the dots (see :func:`show_ghosts`).
         """
-        parts, group = [], []
+        parts, group, views = [], [], {r.index: r for r in self.rounds}
         for s in [*self.spans, None]:
             if s is not None and s.kind in (REJECTED, PRUNED) and (not group or group[0].round == s.round):
                 group.append(s)
                 continue
             if group:
-                parts.append(self._ghost_html(group))
+                parts.append(self._ghost_html(group, views.get(group[0].round)))
                 group = []
             if s is None:
                 break
@@ -331,9 +331,9 @@ class Transcript:
         body = "".join(parts) or f'<span class="placeholder">{html.escape(placeholder)}</span>'
         return show_ghosts(f'<div class="dspark-tokens">{body}</div>', show_drafts) + self.rounds_html()
 
-    def _ghost_html(self, group: list[TokenSpan]) -> str:
+    @staticmethod
+    def _ghost_html(group: list[TokenSpan], view: RoundView | None) -> str:
         """One round's ghost drafts: the zero-width anchor with its dot and hover box."""
-        view = next((r for r in self.rounds if r.index == group[0].round), None)
         n_rejected = sum(s.count for s in group if s.kind == REJECTED)
         n_pruned = sum(s.count for s in group if s.kind == PRUNED)
         head = f"round {group[0].round}"
