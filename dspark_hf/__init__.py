@@ -11,7 +11,7 @@ from .config import DSparkConfig
 from .generation import DSparkCandidateGenerator, GenerationStats, install
 from .kernels import prepack_linears
 from .model import DSparkDrafter
-from .profiling import SPSCurve, load_or_profile_sps, profile_sps
+from .profiling import NoisySPSWarning, SPSCurve, load_or_profile_sps, profile_sps, save_sps
 from .target import load_default_target, load_target
 
 __version__ = "0.1.0"
@@ -27,6 +27,7 @@ __all__ = [
     "DSparkConfig",
     "DSparkDrafter",
     "GenerationStats",
+    "NoisySPSWarning",
     "SPSCurve",
     "SequentialTemperatureScaling",
     "load_default_target",
@@ -34,4 +35,5 @@ __all__ = [
     "load_target",
     "prepack_linears",
     "profile_sps",
+    "save_sps",
 ]

@@ -54,6 +54,8 @@ from pathlib import Path
 
 import torch
 
+from .metrics import conditional_acceptance, tau
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DRAFTERS = ("dspark=model_cards/dspark-smollm2-135m-instruct,dspark-rnn=ablations/dspark-rnn-smollm2-135m-instruct,"
                     "dflash=ablations/dflash-smollm2-135m-instruct")
@@ -126,32 +128,7 @@ def encode_suites(tokenizer, texts: dict[str, list[tuple[str, str]]], limit: int
 
 
 # ---------------------------------------------------------------------------------- pure metrics
-def tau(accepted: Sequence[int]) -> float | None:
-    """Mean accepted length per round, bonus token included (paper Table 1): ``mean(n + 1)``.
-
-    Args:
-        accepted: draft tokens accepted per round (bonus excluded), any number of rounds.
-
-    Returns:
-        τ, or ``None`` for no rounds.
-    """
-    return sum(n + 1 for n in accepted) / len(accepted) if len(accepted) else None
-
-
-def conditional_acceptance(accepted: Sequence[int], gamma: int) -> list[float | None]:
-    """Position-wise conditional acceptance ``P(n >= k | n >= k - 1)`` for ``k = 1..γ`` (paper Fig. 2).
-
-    Args:
-        accepted: draft tokens accepted per round, from rounds that verified all γ drafts.
-        gamma: drafts per round γ.
-
-    Returns:
-        γ values; ``None`` where no round reached position ``k`` (denominator 0).
-    """
-    reached = [sum(n >= k for n in accepted) for k in range(gamma + 1)]  # reached[k] = #(n >= k)
-    return [reached[k] / reached[k - 1] if reached[k - 1] else None for k in range(1, gamma + 1)]
-
-
+# (τ and conditional acceptance: dspark_hf.metrics, imported above)
 def _prefix_length(confidences: Sequence[float], threshold: float) -> int:
     """ℓ = longest prefix with every ``c_k >= threshold`` (the ``"threshold"`` verification mode)."""
     length = 0
@@ -676,7 +653,7 @@ def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps
     notes = list(notes or [])
     start = time.perf_counter()
     # Phase 0: the machine's SPS curve; the scheduler of every drafter uses the same one.
-    sps = sps or load_or_profile_sps(target, max_tokens=max(32, settings.gamma + 1))
+    sps = sps or load_or_profile_sps(target, max_tokens=settings.gamma + 1)  # what the schedulers read
     for drafter in drafters.values():
         drafter.set_sps_curve(sps)
 
@@ -1088,8 +1065,6 @@ def settings_from_args(args) -> tuple[BenchSettings, list[str]]:
 def cmd_bench(args):
     from .cli import load_cli_target
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     started = time.perf_counter()
     try:
         settings, notes = settings_from_args(args)
@@ -1128,7 +1103,7 @@ def cmd_bench(args):
 def add_cli(sub, command):
     """Register ``dspark bench`` (see cli.main)."""
     p = command("bench", cmd_bench, "τ, acceptance, confidence and wall-clock benchmarks (JSON, Markdown, PNG)",
-                kernels=True)
+                kernels=True, compute=True)
     p.add_argument("--drafters", default=DEFAULT_DRAFTERS,
                    help="name=PATH,... (missing folders are skipped with a note); names 'dspark' and 'dflash' "
                         f"give tau_ratio_dspark_over_dflash (default: {DEFAULT_DRAFTERS})")
@@ -1148,7 +1123,6 @@ def add_cli(sub, command):
                    help=f"drafts per round γ (default: {BenchSettings.gamma}, as paper Table 1)")
     p.add_argument("--prompt-lookup", type=int, default=BenchSettings.prompt_lookup_num_tokens,
                    help=f"prompt_lookup_num_tokens of the prompt-lookup baseline (default: {BenchSettings.prompt_lookup_num_tokens})")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--no-builtin-dflash", action="store_true", help="skip the built-in speculation_type='dflash' path")
     p.add_argument("--out", default=None, help="folder for benchmarks.json, benchmarks.md and the PNGs (e.g. docs)")
     p.add_argument("--json", action="store_true", help="print the JSON to stdout")

@@ -76,6 +76,10 @@ def cmd_generate(args):
         timed_generate(target, prompt_ids, 8, args.temperature, drafter, **settings)
         timed_generate(target, prompt_ids, 8, args.temperature)
     run = timed_generate(target, prompt_ids, args.max_new_tokens, args.temperature, drafter, streamer, **settings)
+    if drafter.sps_curve is not None and drafter.sps_curve.observations:  # keep what this run taught the curve
+        from .profiling import save_sps
+
+        save_sps(drafter.sps_curve, target)
     result = {
         "text": tokenizer.decode(run.tokens, skip_special_tokens=True),
         "new_tokens": len(run.tokens),
@@ -98,17 +102,32 @@ def cmd_generate(args):
     print("\n---\n" + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
 
 
+def default_max_tokens() -> int:
+    """``γ + 1`` of the shipped drafter (what its scheduler reads of the SPS curve), else 8."""
+    config = DEFAULT_DRAFTER / "config.json"
+    return json.loads(config.read_text())["block_size"] + 1 if config.is_file() else 8
+
+
 def cmd_profile(args):
-    from .profiling import load_or_profile_sps, profile_sps
+    from .profiling import DEFAULT_CONTEXTS, load_or_profile_sps, plot_sps, profile_sps, sps_cache_path
 
     target, _ = load_cli_target(args)
-    measure = profile_sps if args.refresh else load_or_profile_sps  # profile_sps replaces the cached file
-    curve = measure(target, max_tokens=args.max_tokens, context_len=args.context_len)
+    contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else DEFAULT_CONTEXTS
+    kwargs = dict(max_tokens=args.max_tokens or default_max_tokens(), context_len=args.context_len,
+                  contexts=contexts, time_budget_s=args.time_budget)
+    if args.refresh:  # profile_sps replaces the cached file
+        curve = profile_sps(target, **kwargs)
+    else:
+        curve = load_or_profile_sps(target, **kwargs)
     if args.json:
         print(curve.to_json())
-    else:
-        for b, sps in enumerate(curve.steps_per_s, 1):
-            print(f"B={b:3d}  {sps:8.2f} steps/s  {1e3 / sps:8.1f} ms")
+        return
+    path = sps_cache_path(target, args.context_len)
+    png = plot_sps(curve, Path(args.png) if args.png else path.with_suffix(".png"))
+    print(f"SPS curve of {curve.target_name or 'the target'} on {curve.device_name}, {curve.linear_kernels} kernels "
+          f"(ms per verification of B tokens; {curve.observations} online refinements):")
+    print(curve.table())
+    print(f"cached: {path}\nplot:   {png}")
 
 
 def cmd_train(args):
@@ -167,14 +186,22 @@ def cmd_calibrate(args):
                       "ece_after": report["mean_ece_after"], "temperatures": sts.temperatures}, indent=2))
 
 
+DEFAULT_THREADS = 1  # see the README's "Threads and load": 2 threads collapse on a shared 2-core CPU
+
+
 def main(argv=None):
     """Entry point of the ``dspark`` console script."""
     parser = argparse.ArgumentParser(prog="dspark", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def command(name, fn, help, drafter=False, kernels=False):
+    def command(name, fn, help, drafter=False, kernels=False, compute=False):
         p = sub.add_parser(name, help=help)
         p.set_defaults(fn=fn)
+        if compute:
+            p.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                           help=f"torch CPU threads (default {DEFAULT_THREADS}: torch's one-per-core default collapses "
+                                "when other work shares the CPU; try more on an idle many-core machine). Part of "
+                                "the SPS curve's cache key")
         p.add_argument("--target", default=None, help="target model (Hub id or folder); default: bundled SmolLM2-135M-Instruct")
         if drafter:
             p.add_argument("--drafter", default=None, help=f"drafter folder or Hub id (default {DEFAULT_DRAFTER.name})")
@@ -187,7 +214,8 @@ def main(argv=None):
     p = command("info", cmd_info, "versions, default target and cache paths")
     p.add_argument("--json", action="store_true")
 
-    p = command("generate", cmd_generate, "generate with DSpark speculative decoding", drafter=True, kernels=True)
+    p = command("generate", cmd_generate, "generate with DSpark speculative decoding", drafter=True, kernels=True,
+                compute=True)
     p.add_argument("prompt")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -198,10 +226,15 @@ def main(argv=None):
     p.add_argument("--compare", action="store_true", help="also run plain generate and report the speedup")
     p.add_argument("--json", action="store_true")
 
-    p = command("profile", cmd_profile, "measure (or show the cached) SPS curve of the target", kernels=True)
+    p = command("profile", cmd_profile, "measure (or show the cached) SPS curve of the target: table + PNG",
+                kernels=True, compute=True)
     p.add_argument("--refresh", action="store_true", help="measure again and replace the cached curve (e.g. on a quiet machine)")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--context-len", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=None, help="largest B (default: the shipped drafter's γ + 1)")
+    p.add_argument("--context-len", type=int, default=256, help="context of the primary row (part of the cache key)")
+    p.add_argument("--contexts", default=None,
+                   help="comma-separated further context lengths (default: 256,1024,4096 where they fit)")
+    p.add_argument("--time-budget", type=float, default=25.0, help="seconds for the whole measurement (default 25)")
+    p.add_argument("--png", default=None, help="where to write the plot (default: next to the cached JSON)")
     p.add_argument("--json", action="store_true")
 
     p = command("train", cmd_train, "regenerate data with the target and train a drafter")
@@ -212,7 +245,8 @@ def main(argv=None):
     p.add_argument("--worker", type=_worker, default=(0, 1), metavar="K/N",
                    help="regenerate only shards i with i %% N == K, so N processes can share the work (default 0/1)")
 
-    p = command("calibrate", cmd_calibrate, "fit Sequential Temperature Scaling on calibration rounds", drafter=True)
+    p = command("calibrate", cmd_calibrate, "fit Sequential Temperature Scaling on calibration rounds", drafter=True,
+                compute=True)
     p.add_argument("--prompts", type=int, default=40)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -223,6 +257,12 @@ def main(argv=None):
         module.add_cli(sub, command)
 
     args = parser.parse_args(argv)
+    if getattr(args, "threads", None) is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     args.fn(args)
 
 

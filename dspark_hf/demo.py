@@ -15,6 +15,12 @@ token by token (exact even when EOS cuts a block short) and the rejected (``d[n:
 (``d[ℓ:γ]``, pruned by the scheduler) drafts are shown; a ``RoundStats`` without the ids (an empty list)
 gets the counts only.
 
+What is drawn. The accepted text flows as the decoded answer reads (incremental decoding of all ids, so
+byte-level BPE pieces never show half a character) and lines up with the plain column. A round's rejected
+and unverified drafts never take space in it: one zero-width anchor with a red / grey dot, whose hover box
+lists them (decoded as a continuation of the accepted text, newlines shown as ``↵``), and a collapsed
+per-round table (γ, ℓ, accepted, the target's token, confidences, drafts) sits under the answer.
+
 Nothing here imports gradio at module level: ``import dspark_hf.demo`` stays cheap and the
 ``demo`` extra (``pip install 'dspark-hf[demo]'``) is needed only to build or launch the app.
 """
@@ -35,6 +41,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from .config import MAX_BLOCK_SIZE, SCHEDULED_MODES, VERIFICATION_MODES
 from .data import chat_ids
+from .metrics import tau
 
 # span kinds: text tokens, then the drafts that never made it into the text ("ghosts")
 DRAFT, LOOKUP, BONUS, CORRECTION, TARGET, PLAIN = "draft", "lookup", "bonus", "correction", "target", "plain"
@@ -46,8 +53,8 @@ LEGEND = (
     (BONUS, "target: bonus", "the target's own token after every scheduled draft was accepted"),
     (CORRECTION, "target: correction", "the target's token replacing the first rejected draft"),
     (TARGET, "target step", "a step with no drafts (the prefill step, or no room left to draft)"),
-    (REJECTED, "rejected draft", "verified by the target and rejected (shown struck through)"),
-    (PRUNED, "not verified", "drafted but cut by the scheduler / threshold before verification"),
+    (REJECTED, "rejected draft", "verified by the target and rejected: a red dot after the round; hover it"),
+    (PRUNED, "not verified", "drafted but cut by the scheduler / threshold before verification: a grey dot"),
 )
 
 CSS = """
@@ -63,9 +70,25 @@ CSS = """
 .tok-plain { background: #eceff3; }
 .tok.special { font-style: italic; opacity: 0.8; }
 .dspark-tokens.hide-ghosts .ghost { display: none; }
-.ghost { font-size: 11px; vertical-align: super; margin: 0 2px; white-space: pre; }
+/* a round's rejected / unverified drafts: a zero-width anchor, so they never move the answer's text */
+.ghost { position: relative; display: inline-block; width: 0; height: 1em; vertical-align: baseline; }
+.ghost .dot { position: absolute; left: -3px; top: -0.55em; width: 6px; height: 6px; border-radius: 3px;
+  cursor: help; }
+.ghost.has-rejected .dot { background: #d32f2f; }
+.ghost.pruned-only .dot { background: #9aa0a8; }
+.ghost .pop { display: none; position: absolute; left: 0; top: 1.1em; z-index: 20; min-width: 14em;
+  background: #fff; color: #111; border: 1px solid #b8bec7; border-radius: 6px; padding: 4px 8px;
+  box-shadow: 0 2px 8px rgba(0, 0, 0, .15); font-size: 12px; line-height: 1.6; white-space: pre; }
+.ghost:hover .pop { display: block; }
 .tok-rejected { color: #c62828; text-decoration: line-through; background: #fde3e3; }
 .tok-pruned { color: #7a7f87; border: 1px dashed #a8adb5; background: #f5f6f8; }
+.dspark-rounds { font-size: 12px; margin-top: 6px; max-width: 100%; max-height: 24em; overflow: auto; }
+.dspark-rounds table { border-collapse: collapse; }
+.dspark-rounds td, .dspark-rounds th { padding: 1px 6px; border-bottom: 1px solid #eceff3; text-align: left;
+  font-family: ui-monospace, monospace; white-space: pre; }
+.dspark-rounds .c-accepted { color: #1b7a33; }
+.dspark-rounds .c-rejected { color: #c62828; text-decoration: line-through; }
+.dspark-rounds .c-pruned { color: #7a7f87; }
 .dspark-legend { display: flex; flex-wrap: wrap; gap: 6px 14px; font-size: 13px; color: #333; }
 .dspark-legend .tok { padding: 1px 6px; font-family: ui-monospace, monospace; border-radius: 3px; }
 .dspark-stats { display: flex; flex-wrap: wrap; gap: 8px; }
@@ -226,21 +249,42 @@ class Transcript:
             self._add_ghosts(view, has_target=len(chunk) > n)
 
     def _add_ghosts(self, view: RoundView, has_target: bool):
+        """Spans for the round's rejected (``d[n:ℓ]``) and unverified (``d[ℓ:γ]``) drafts, decoded as a
+        continuation of the accepted text before the round's target token (so byte-level pieces of one
+        character join up, and a tokenizer that drops a lone token's leading space keeps it)."""
         n, ell = view.accepted, view.scheduled
         rejected = range(n, ell) if has_target else range(0)  # EOS inside the block: nothing was rejected
         pruned = range(ell, view.drafted)
-        for kind, positions in ((REJECTED, rejected), (PRUNED, pruned)):
-            if not positions:
-                continue
-            if view.draft_tokens is None:
-                first, count = positions[0] + 1, len(positions)
-                self.spans.append(TokenSpan("", kind, round=view.index, position=first, count=count))
-                continue
-            for k in positions:
-                t = view.draft_tokens[k]
+        if view.draft_tokens is None:
+            for kind, positions in ((REJECTED, rejected), (PRUNED, pruned)):
+                if positions:
+                    self.spans.append(TokenSpan("", kind, round=view.index, position=positions[0] + 1,
+                                                count=len(positions)))
+            return
+        context = self.ids[: len(self.ids) - int(has_target)]  # accepted text the drafts continued
+        pieces = self._continuation(context, view.draft_tokens[n : view.drafted])
+        for k, text in zip(range(n, view.drafted), pieces):
+            if k in rejected or k in pruned:
                 conf = view.confidences[k] if k < len(view.confidences) else None
-                text = self.tokenizer.decode([t], skip_special_tokens=False)
-                self.spans.append(TokenSpan(text, kind, t, view.index, k + 1, conf))
+                kind = REJECTED if k in rejected else PRUNED
+                self.spans.append(TokenSpan(text, kind, view.draft_tokens[k], view.index, k + 1, conf))
+
+    def _continuation(self, context: list[int], drafts: list[int]) -> list[str]:
+        """Text each of ``drafts`` adds after ``context`` (``""`` while a UTF-8 character is incomplete; a
+        character left incomplete at the end shows as ``\ufffd``)."""
+        def decode(ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+        previous, pieces = decode(context), []
+        for k in range(1, len(drafts) + 1):
+            full = decode(context + drafts[:k])
+            if k < len(drafts) and full.endswith("\ufffd"):  # the next draft may complete the character
+                pieces.append("")
+                continue
+            # decoding is prefix-stable except around incomplete characters; if not, the token on its own
+            pieces.append(full[len(previous):] if full.startswith(previous) else decode(drafts[k - 1 : k]))
+            previous = full
+        return pieces
 
     # ---------------------------------------------------------------------------- read-outs
     @property
@@ -258,35 +302,81 @@ class Transcript:
         return self.new_tokens / max(self.elapsed(), 1e-9)
 
     def tau(self) -> float | None:
-        """Mean tokens per round τ (accepted drafts + the target token), as ``GenerationStats.tau``."""
-        if not self.rounds:
-            return None
-        return sum(r.accepted + 1 for r in self.rounds) / len(self.rounds)
+        """Mean tokens per round τ (accepted drafts + the target token), :func:`dspark_hf.metrics.tau`;
+        ``None`` before the first round."""
+        return tau([r.accepted for r in self.rounds])
 
     def render(self, show_drafts: bool = True, placeholder: str = "") -> str:
-        """HTML of the coloured answer: a ``.dspark-tokens`` div of ``.tok.tok-<kind>`` spans.
+        """HTML of the coloured answer: a ``.dspark-tokens`` div of ``.tok.tok-<kind>`` spans, then the
+        per-round table (:meth:`rounds_html`).
 
-        Ghost drafts are always in the HTML; ``show_drafts=False`` adds the ``hide-ghosts`` class that hides
-        them (see :func:`show_ghosts`).
+        The accepted text flows as text, exactly as the decoded answer reads. Each round's rejected and
+        unverified drafts become one zero-width ``.ghost`` anchor after the round's target token: a red
+        (some rejected) or grey (only unverified) dot whose hover box lists the drafts with newlines and
+        tabs as visible symbols, so they never change the layout of the accepted text.
+        ``show_drafts=False`` adds the ``hide-ghosts`` class that hides the dots (see :func:`show_ghosts`).
         """
-        parts = []
-        for s in self.spans:
+        parts, group, views = [], [], {r.index: r for r in self.rounds}
+        for s in [*self.spans, None]:
+            if s is not None and s.kind in (REJECTED, PRUNED) and (not group or group[0].round == s.round):
+                group.append(s)
+                continue
+            if group:
+                parts.append(self._ghost_html(group, views.get(group[0].round)))
+                group = []
+            if s is None:
+                break
             if s.kind in (REJECTED, PRUNED):
-                label = "rejected" if s.kind == REJECTED else "not verified"
-                if s.token_id is None:
-                    mark = "✗" if s.kind == REJECTED else "⋯"
-                    title = f"round {s.round}: {s.count} {label} draft(s) from position {s.position}"
-                    parts.append(f'<span class="ghost tok tok-{s.kind}" title="{title}">{mark}{s.count}</span>')
-                else:
-                    title = _title(s, label)
-                    parts.append(f'<span class="ghost tok tok-{s.kind}" title="{title}">{_esc(s.text)}</span>')
+                group.append(s)
                 continue
             cls = f"tok tok-{s.kind}" + (" special" if s.special else "")
             word = s.text.lstrip(" ") or s.text  # leading spaces stay uncoloured (no empty boxes at line ends)
             lead = s.text[: len(s.text) - len(word)]
             parts.append(f'{lead}<span class="{cls}" title="{_title(s, s.kind)}">{_esc(word)}</span>')
         body = "".join(parts) or f'<span class="placeholder">{html.escape(placeholder)}</span>'
-        return show_ghosts(f'<div class="dspark-tokens">{body}</div>', show_drafts)
+        return show_ghosts(f'<div class="dspark-tokens">{body}</div>', show_drafts) + self.rounds_html()
+
+    @staticmethod
+    def _ghost_html(group: list[TokenSpan], view: RoundView | None) -> str:
+        """One round's ghost drafts: the zero-width anchor with its dot and hover box."""
+        n_rejected = sum(s.count for s in group if s.kind == REJECTED)
+        n_pruned = sum(s.count for s in group if s.kind == PRUNED)
+        head = f"round {group[0].round}"
+        if view is not None:
+            head += f": γ={view.drafted} ℓ={view.scheduled} accepted {view.accepted}"
+        lines = [html.escape(head), html.escape(f"{n_rejected} rejected, {n_pruned} not verified")]
+        if all(s.token_id is not None for s in group):
+            tokens = "".join(f'<span class="tok tok-{s.kind}" title="{_title(s, s.kind)}">{_visible(s.text)}</span>'
+                             for s in group)
+            lines.append(tokens)
+        cls = "has-rejected" if n_rejected else "pruned-only"
+        return f'<span class="ghost {cls}"><span class="dot"></span><span class="pop">{"<br>".join(lines)}</span></span>'
+
+    def rounds_html(self) -> str:
+        """A collapsed ``<details class="dspark-rounds">`` table, one row per round: γ, ℓ, accepted drafts,
+        the target's token, the confidences and the drafts (accepted green, rejected red, unverified grey)."""
+        if not self.rounds:
+            return ""
+        ghosts: dict[int, list[TokenSpan]] = {}
+        accepted_spans: dict[int, list[TokenSpan]] = {}
+        for s in self.spans:
+            if s.round is not None:
+                (ghosts if s.kind in (REJECTED, PRUNED) else accepted_spans).setdefault(s.round, []).append(s)
+        rows = []
+        for r in self.rounds:
+            outcome = next((s for s in accepted_spans.get(r.index, []) if s.kind in (BONUS, CORRECTION)), None)
+            status = [("accepted" if k < r.accepted else "rejected" if k < r.scheduled else "pruned")
+                      for k in range(r.drafted)]
+            confs = " ".join(f'<span class="c-{st}">{c:.2f}</span>' for c, st in zip(r.confidences, status))
+            drafts = [s for s in accepted_spans.get(r.index, []) if s.kind == DRAFT] + ghosts.get(r.index, [])
+            text = "".join(f'<span class="c-{"accepted" if s.kind == DRAFT else s.kind}">{_visible(s.text)}</span>'
+                           for s in drafts if s.token_id is not None)
+            target = f"{outcome.kind}: {_visible(outcome.text)}" if outcome is not None else "(EOS or budget)"
+            rows.append(f"<tr><td>{r.index}</td><td>{r.drafted}</td><td>{r.scheduled}</td><td>{r.accepted}</td>"
+                        f"<td>{target}</td><td>{confs}</td><td>{text}</td></tr>")
+        head = "<tr><th>round</th><th>γ</th><th>ℓ</th><th>accepted</th><th>target token</th><th>c_k</th><th>drafts</th></tr>"
+        return (f'<details class="dspark-rounds"><summary>what happened each round ({len(self.rounds)} rounds)</summary>'
+                f"<table>{head}{''.join(rows)}</table></details>")
 
 
 def show_ghosts(rendered: str, show: bool) -> str:
@@ -297,6 +387,12 @@ def show_ghosts(rendered: str, show: bool) -> str:
 
 def _esc(text: str) -> str:
     return html.escape(text).replace("\n", "↵\n")  # make newline tokens visible
+
+
+def _visible(text: str) -> str:
+    """HTML of a draft's text on one line: newline ``↵``, tab ``⇥``, carriage return ``␍``; ``∅`` if empty."""
+    symbols = str.maketrans({"\n": "↵", "\t": "⇥", "\r": "␍"})
+    return html.escape(text.translate(symbols)) or "∅"
 
 
 def _title(s: TokenSpan, label: str) -> str:
@@ -707,7 +803,8 @@ def cmd_demo(args):
 
 def add_cli(sub, command):
     """Register this module's `dspark` subcommands (see cli.main)."""
-    p = command("demo", cmd_demo, "serve the Gradio demo: live token colouring, stats, side-by-side", drafter=True)
+    p = command("demo", cmd_demo, "serve the Gradio demo: live token colouring, stats, side-by-side", drafter=True,
+                compute=True)
     p.add_argument("--port", type=int, default=None, help="port (default: $GRADIO_SERVER_PORT, else 7860)")
     p.add_argument("--share", type=boolean, nargs="?", const=True, default=False, metavar="{true,false}",
                    help="create a public Gradio share link (needs network; default false)")

@@ -31,6 +31,7 @@ from transformers.generation.utils import GenerationMixin, GenerationMode
 
 from .kernels import is_prepacked, prepack_linears
 from .lookup import LookupDrafting, lookup_enabled, one_hot_logits
+from .metrics import tau
 from .model import DSparkDrafter
 from .profiling import load_or_profile_sps
 from .scheduler import schedule_global, schedule_prefix, threshold_prefix
@@ -67,8 +68,8 @@ class GenerationStats:
 
     @property
     def tau(self) -> float:
-        """Mean accepted length per round τ, INCLUDING the bonus token."""
-        return sum(r.accepted + 1 for r in self.rounds) / max(len(self.rounds), 1)
+        """Mean accepted length per round τ, INCLUDING the bonus token (:func:`dspark_hf.metrics.tau`; 0 without rounds)."""
+        return tau([r.accepted for r in self.rounds]) or 0.0
 
     def full_rounds(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Rounds that verified their whole block (γ = the call's block size), for calibration.
@@ -142,8 +143,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.threshold = float(_setting(generation_config, "dspark_threshold", cfg.confidence_threshold))
         self._check_mode()
         use_lookup = lookup_enabled(_setting(generation_config, "dspark_lookup", False), drafter, self.block_size)
-        if (self.mode in SCHEDULED_MODES or use_lookup) and drafter.sps_curve is None:
-            drafter.set_sps_curve(load_or_profile_sps(target))
+        stale = drafter.sps_curve is None or drafter.sps_curve.max_tokens <= self.block_size
+        if (self.mode in SCHEDULED_MODES or use_lookup) and stale:
+            drafter.set_sps_curve(load_or_profile_sps(target, max_tokens=max(cfg.block_size, self.block_size) + 1))
         self.sps = drafter.sps_curve
         self.lookup = LookupDrafting(drafter.calibration, self.sps.steps_per_s, MAX_BLOCK_SIZE) if use_lookup else None
         self.do_sample = bool(generation_config.do_sample)
@@ -157,6 +159,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.stats = GenerationStats(verification=self.mode)
         drafter.last_stats = self.stats
         self._verify_start = None
+        self._verify_context = 0  # tokens in the target's cache before the round's verification
         self._previous = None  # "async": calibrated confidences of the previous block
 
     def _check_mode(self):
@@ -191,6 +194,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if gamma <= 0:
             return input_ids, None
         start = time.perf_counter()
+        self._verify_context = input_ids.shape[1] - 1  # the scheduler reads the SPS row of this context
         room = self.max_length - input_ids.shape[1] - 1
         plan = self.lookup.plan(input_ids, gamma, room) if self.lookup is not None else None  # before any drafting
         if plan is not None and plan.source == "lookup":  # no drafter pass
@@ -245,7 +249,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if self.mode == "threshold":
             return threshold_prefix(block.confidences, self.threshold)
         confidences = self.drafter.calibration.apply(block.confidences.float())
-        sps = self.sps.steps_per_s[: gamma + 1]
+        sps = self.sps.at(self._verify_context)[: gamma + 1]
         if self.mode == "scheduler":
             return schedule_prefix(confidences, sps)
         previous, self._previous = self._previous, confidences
@@ -269,7 +273,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         return length
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
-        """Record the number of accepted drafts and the verify time of the round just verified."""
+        """Record the number of accepted drafts and the verify time of the round just verified; in the
+        scheduled modes the time also refines the SPS curve online (:meth:`~dspark_hf.SPSCurve.observe`)."""
         if self.lookup is not None:  # score the round's lookup continuation (dspark_hf.lookup)
             self.lookup.update(input_ids, num_matches)
         if self._verify_start is not None and self.stats.rounds:
@@ -277,6 +282,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
             last.accepted = int(num_matches)
             last.verify_ms = 1e3 * (time.perf_counter() - self._verify_start)
             self._verify_start = None
+            if self.mode in SCHEDULED_MODES and self.sps.online:  # B = ℓ + 1 tokens verified at this context
+                self.sps.observe(last.scheduled + 1, self._verify_context, last.verify_ms / 1e3)
 
 
 # ------------------------------------------------------------------------------------- routing

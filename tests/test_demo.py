@@ -32,6 +32,7 @@ from dspark_hf.demo import (
     REJECTED,
     TARGET,
     RoundStreamer,
+    RoundView,
     Transcript,
     check_lookup,
     confidence_curve,
@@ -117,13 +118,48 @@ def test_streamer_pairs_chunks_with_rounds():
     assert transcript.new_tokens == 8 and transcript.tau() == pytest.approx((3 + 1 + 2) / 3)
     assert transcript.text == tokenizer.decode([10, 11, 12, 20, 21, 22, 30, 31])
     html = transcript.render(show_drafts=True)
-    assert html.count('class="tok tok-draft"') == 3 and 'class="ghost tok tok-rejected"' in html
+    assert html.count('class="tok tok-draft"') == 3
+    # one zero-width anchor per round with ghosts: red when something was rejected, grey when only pruned
+    assert html.count('class="ghost pruned-only"') == 2 and html.count('class="ghost has-rejected"') == 1
     assert "hide-ghosts" in transcript.render(show_drafts=False)
+    assert html.count("<tr><td>") == 3 and "what happened each round (3 rounds)" in html  # the per-round table
     # position k counted where reached and verified; accepted iff n >= k
     rows = {(r["series"], r["position"]): r for r in confidence_curve(transcript.rounds)}
     assert rows["acceptance rate", 1]["value"] == pytest.approx(1.0) and rows["acceptance rate", 1]["rounds"] == 2
     assert rows["acceptance rate", 2]["value"] == pytest.approx(0.5)
     assert rows["confidence c_k", 1]["value"] == pytest.approx(0.9)
+
+
+def test_ghost_drafts_never_break_lines_and_keep_their_spaces():
+    """A rejected newline draft is drawn as ↵ inside its zero-width anchor, never as a line break."""
+    tokenizer = word_tokenizer()
+    transcript = Transcript(tokenizer)
+    sea, sky = tokenizer.convert_tokens_to_ids(["sea", "sky"])
+    transcript.add_chunk([sea], None)
+    transcript._continuation = lambda context, drafts: ["\n", " sky", "\t"]  # what a byte-level BPE can draft
+    r = RoundStats(drafted=3, scheduled=2, draft_tokens=[sky, sky, sky], confidences=[0.9, 0.5, 0.2])
+    view = RoundView(index=1, drafted=3, scheduled=2, accepted=0, confidences=r.confidences,
+                     draft_tokens=r.draft_tokens)
+    transcript.add_chunk([sea], view)
+    html = transcript.render()
+    tokens_div, ghost = html.split('<details')[0], html[html.index('<span class="ghost'):]
+    assert tokens_div.count("\n") == 0  # no line break anywhere in the answer: accepted "sea sea" has none
+    assert "↵" in ghost and " sky" in ghost and "⇥" in ghost
+
+
+def test_ghost_text_is_decoded_in_context_with_a_byte_level_tokenizer():
+    """A character split over several byte-level draft tokens shows whole, as the final text would."""
+    from transformers import AutoTokenizer
+
+    from dspark_hf.target import default_target_dir
+
+    if not (default_target_dir() / "tokenizer.json").is_file():
+        pytest.skip("the default target is not converted yet (dspark_hf.load_default_target() does it)")
+    tokenizer = AutoTokenizer.from_pretrained(default_target_dir())
+    context, drafts = tokenizer.encode("The sea"), tokenizer.encode(" 🌊 waves")
+    assert any("\ufffd" in tokenizer.decode([t]) for t in drafts)  # one token at a time: broken bytes
+    pieces = Transcript(tokenizer)._continuation(context, drafts)
+    assert len(pieces) == len(drafts) and "".join(pieces) == " 🌊 waves"
 
 
 # -------------------------------------------------------------------------- real generation
@@ -212,8 +248,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_demo_in_headless_browser(tiny):
-    """Serve the app, type a prompt in Chromium, see coloured token spans and live stats; screenshot it."""
+@pytest.fixture(scope="module")
+def browser_page(tiny):
+    """The demo served on a free port and opened in headless Chromium: ``(page, expect)``."""
     if not (shutil.which(CHROMIUM) or Path(CHROMIUM).is_file()):
         pytest.skip(f"no Chromium at {CHROMIUM}: install Debian's `chromium` package (CI does) to run the browser test")
     pytest.importorskip("gradio", reason="the demo needs gradio: pip install 'dspark-hf[demo]'")
@@ -223,46 +260,94 @@ def test_demo_in_headless_browser(tiny):
     port = _free_port()
     app = launch(tiny.target, tiny.tokenizer, tiny.drafter, port=port, prevent_thread_lock=True, max_new_tokens=40,
                  interval=0.05)
+    pw = sync_api.sync_playwright().start()
     try:
-        with sync_api.sync_playwright() as pw:
-            browser = pw.chromium.launch(
-                executable_path=CHROMIUM, headless=True,
-                args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                      "--disable-background-networking", "--disable-component-update", "--disable-sync"],
-            )
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(f"http://127.0.0.1:{port}/", wait_until="domcontentloaded", timeout=60_000)
-            page.wait_for_selector("#dspark-prompt textarea", timeout=60_000)
-            expect = sync_api.expect  # auto-waiting assertions: components mount and update one by one
-            expect(page.locator("#dspark-legend .tok-draft")).to_have_count(1, timeout=30_000)  # the legend
-            page.fill("#dspark-prompt textarea", "the quick cat runs over the river")
-            page.locator("#dspark-side input[type=checkbox]").check()
-            page.click("#dspark-run")
-            page.wait_for_selector("#dspark-output .tok-draft", timeout=60_000)
-            # side by side: the plain run finishes last and the speedup card appears
-            page.wait_for_selector('#dspark-stats [data-stat="speedup"]', timeout=60_000)
-            rounds = int(page.inner_text('#dspark-stats [data-stat="rounds"] .v'))
-            assert rounds > 0
-            assert float(page.inner_text('#dspark-stats [data-stat="tau"] .v')) > 1.0
-            expect(page.locator('#dspark-stats [data-stat="identical"] .v')).to_have_text("yes")
-            assert page.locator("#dspark-output .tok").count() >= 40
-            assert page.locator("#dspark-output .tok-bonus, #dspark-output .tok-correction").count() > 0
-            expect(page.locator("#dspark-baseline .tok-plain")).to_have_count(40)
-            page.wait_for_selector("#dspark-plot canvas, #dspark-plot svg", timeout=30_000)
-            # the ghost toggle hides rejected / unverified drafts
-            page.locator("#dspark-ghosts input[type=checkbox]").uncheck()
-            page.wait_for_selector("#dspark-output .dspark-tokens.hide-ghosts", timeout=30_000)
-            page.locator("#dspark-ghosts input[type=checkbox]").check()
-            page.wait_for_selector("#dspark-output .dspark-tokens:not(.hide-ghosts)", timeout=30_000)
-            assert page.locator("#dspark-plot .role-legend").get_attribute("aria-label").endswith(
-                "2 values: acceptance rate, confidence c_k")  # both curves drawn
-            time.sleep(0.5)  # let the plot finish drawing for the screenshot
-            ARTIFACTS.mkdir(exist_ok=True)
-            page.screenshot(path=str(ARTIFACTS / "demo.png"), full_page=True)
-            # no calibration: the scheduler is refused with a clear message, nothing runs
-            page.locator("#dspark-mode input[value=scheduler]").check()
-            page.click("#dspark-run")
-            page.wait_for_selector("#dspark-status:has-text('no calibration.json')", timeout=30_000)
-            browser.close()
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM, headless=True,
+            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+        )
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"http://127.0.0.1:{port}/", wait_until="domcontentloaded", timeout=60_000)
+        page.wait_for_selector("#dspark-prompt textarea", timeout=60_000)
+        yield page, sync_api.expect
+        browser.close()
     finally:
+        pw.stop()
         app.close()
+
+
+def test_demo_in_headless_browser(browser_page):
+    """Serve the app, type a prompt in Chromium, see coloured token spans and live stats; screenshot it."""
+    page, expect = browser_page  # auto-waiting assertions: components mount and update one by one
+    expect(page.locator("#dspark-legend .tok-draft")).to_have_count(1, timeout=30_000)  # the legend
+    page.fill("#dspark-prompt textarea", "the quick cat runs over the river")
+    page.locator("#dspark-side input[type=checkbox]").check()
+    page.click("#dspark-run")
+    page.wait_for_selector("#dspark-output .tok-draft", timeout=60_000)
+    # side by side: the plain run finishes last and the speedup card appears
+    page.wait_for_selector('#dspark-stats [data-stat="speedup"]', timeout=60_000)
+    rounds = int(page.inner_text('#dspark-stats [data-stat="rounds"] .v'))
+    assert rounds > 0
+    assert float(page.inner_text('#dspark-stats [data-stat="tau"] .v')) > 1.0
+    expect(page.locator('#dspark-stats [data-stat="identical"] .v')).to_have_text("yes")
+    assert page.locator("#dspark-output .dspark-tokens > .tok").count() >= 40
+    assert page.locator("#dspark-output .tok-bonus, #dspark-output .tok-correction").count() > 0
+    expect(page.locator("#dspark-baseline .tok-plain")).to_have_count(40)
+    page.wait_for_selector("#dspark-plot canvas, #dspark-plot svg", timeout=30_000)
+    # the ghost toggle hides rejected / unverified drafts
+    page.locator("#dspark-ghosts input[type=checkbox]").uncheck()
+    page.wait_for_selector("#dspark-output .dspark-tokens.hide-ghosts", timeout=30_000)
+    page.locator("#dspark-ghosts input[type=checkbox]").check()
+    page.wait_for_selector("#dspark-output .dspark-tokens:not(.hide-ghosts)", timeout=30_000)
+    # a round's drafts are one hover away, the per-round table one click away
+    ghost = page.locator("#dspark-output .ghost").first
+    ghost.locator(".dot").hover()  # the anchor itself has zero width
+    expect(ghost.locator(".pop")).to_be_visible()
+    expect(ghost.locator(".pop")).to_contain_text("round ")
+    page.locator("#dspark-output details.dspark-rounds summary").click()
+    expect(page.locator("#dspark-output details.dspark-rounds tr")).to_have_count(rounds + 1)  # + header
+    assert page.locator("#dspark-plot .role-legend").get_attribute("aria-label").endswith(
+        "2 values: acceptance rate, confidence c_k")  # both curves drawn
+    time.sleep(0.5)  # let the plot finish drawing for the screenshot
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "demo.png"), full_page=True)
+    # no calibration: the scheduler is refused with a clear message, nothing runs
+    page.locator("#dspark-mode input[value=scheduler]").check()
+    page.click("#dspark-run")
+    page.wait_for_selector("#dspark-status:has-text('no calibration.json')", timeout=30_000)
+
+
+# the answer's text and, per token, its box relative to the column (ghost anchors removed from the text)
+COLUMN_JS = """sel => {
+  const box = document.querySelector(sel + ' .dspark-tokens');
+  const copy = box.cloneNode(true);
+  copy.querySelectorAll('.ghost').forEach(g => g.remove());
+  const origin = box.getBoundingClientRect();
+  const boxes = Array.from(box.querySelectorAll(':scope > .tok')).map(t => {
+    const r = t.getBoundingClientRect();
+    return [Math.round(r.left - origin.left), Math.round(r.top - origin.top), Math.round(r.width)];
+  });
+  return {text: copy.textContent, boxes: boxes};
+}"""
+
+
+def test_demo_columns_show_the_same_text_in_the_same_layout(browser_page, tiny):
+    """Greedy side by side: the DSpark column reads exactly as the plain one, token for token in the same
+    place, and showing or hiding the rejected / unverified drafts moves nothing."""
+    page, expect = browser_page
+    page.fill("#dspark-prompt textarea", "a small bird over the blue sea")
+    page.locator("#dspark-mode input[value=threshold]").check()
+    page.locator("#dspark-side input[type=checkbox]").check()
+    page.locator("#dspark-ghosts input[type=checkbox]").check()
+    page.click("#dspark-run")
+    expect(page.locator("#dspark-status")).to_contain_text("Plain generate:", timeout=120_000)  # markdown: no backticks
+    dspark, plain = page.evaluate(COLUMN_JS, "#dspark-output"), page.evaluate(COLUMN_JS, "#dspark-baseline")
+    ids = chat_ids(tiny.tokenizer, "a small bird over the blue sea")
+    reference = tiny.target.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)[0, len(ids):]
+    assert dspark["text"] == plain["text"] == tiny.tokenizer.decode(reference)
+    assert page.locator("#dspark-output .ghost").count() > 0  # there were drafts that did not make it
+    assert dspark["boxes"] == plain["boxes"]  # the columns line up token for token
+    page.locator("#dspark-ghosts input[type=checkbox]").uncheck()
+    page.wait_for_selector("#dspark-output .dspark-tokens.hide-ghosts", timeout=30_000)
+    assert page.evaluate(COLUMN_JS, "#dspark-output") == dspark  # hiding the drafts moves nothing

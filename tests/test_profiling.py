@@ -1,17 +1,21 @@
 """Tests for SPS-curve profiling and its disk cache (paper §3.2.2), on a tiny random Llama."""
 
+import math
+
 import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import LLAMA_DEFAULT_TOKENS, tiny_llama
-from dspark_hf import profiling
-from dspark_hf.profiling import SPSCurve, load_or_profile_sps, profile_sps, sps_cache_path, time_verify_step
+from conftest import CYCLE_VOCAB, LLAMA_DEFAULT_TOKENS, cycle_drafter, cycle_target, tiny_llama
+from dspark_hf import SequentialTemperatureScaling, profiling
+from dspark_hf.profiling import (NoisySPSWarning, SPSCurve, load_or_profile_sps, plot_sps, profile_sps, save_sps,
+                                 sps_cache_path, time_verify_step)
 
-KW = dict(max_tokens=4, context_len=8, repeats=1, progress=False)
+KW = dict(max_tokens=4, context_len=8, contexts=(), min_repeats=2, max_repeats=2, progress=False)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"),  # real timings of a tiny model may be flagged noisy: not tested there
+              pytest.mark.filterwarnings("ignore::dspark_hf.profiling.NoisySPSWarning")]
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +47,9 @@ def test_smooth_is_non_increasing(target):
 
 def test_cache_round_trip(target, hf_home, monkeypatch):
     first = load_or_profile_sps(target, **KW)
-    path = sps_cache_path(target, KW["max_tokens"], KW["context_len"])
+    path = sps_cache_path(target, KW["context_len"])
     assert path.is_file() and path.parent == hf_home / "dspark_hf" / "sps"
-    assert path.name.startswith("unnamed-float32-ctx8-b4-")
+    assert path.name.startswith("unnamed-float32-ctx8-")
 
     def no_profiling(*args, **kwargs):
         raise AssertionError("a cached curve must not be re-profiled")
@@ -53,7 +57,12 @@ def test_cache_round_trip(target, hf_home, monkeypatch):
     monkeypatch.setattr(profiling, "profile_sps", no_profiling)
     assert load_or_profile_sps(target, **KW) == first
     assert load_or_profile_sps(target, smooth=True, **KW) == first.smooth()
+    assert load_or_profile_sps(target, **{**KW, "max_tokens": 3}) == first  # a longer stored curve serves
     assert SPSCurve.from_json(first.to_json()) == first
+    monkeypatch.undo()
+    monkeypatch.setenv("HF_HOME", str(hf_home))
+    assert load_or_profile_sps(target, **{**KW, "max_tokens": 5}).max_tokens == 5  # a shorter one is a miss
+    assert SPSCurve.from_json(path.read_text()).max_tokens == 5
 
 
 def test_verify_step_leaves_cache_length_unchanged(target):
@@ -66,7 +75,8 @@ def test_verify_step_leaves_cache_length_unchanged(target):
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [(dict(max_tokens=0), ">= 1"), (dict(repeats=0), ">= 1"), (dict(context_len=62, max_tokens=4), "max_position")],
+    [(dict(max_tokens=0), ">= 1"), (dict(min_repeats=1), ">= 2"), (dict(min_repeats=3, max_repeats=2), "max_repeats"),
+     (dict(context_len=62, max_tokens=4), "max_position")],
 )
 def test_bad_arguments_raise(target, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -78,3 +88,190 @@ def test_curve_rejects_bad_values():
         SPSCurve([1.0, 0.0], "t", "cpu", "float32", "x", 8, 1)
     with pytest.raises(ValueError, match="format_version"):
         SPSCurve.from_json('{"format_version": 99}')
+
+
+def test_version_1_files_still_load():
+    old = '{"format_version": 1, "steps_per_s": [10.0, 5.0], "target_name": "t", "device_name": "cpu", ' \
+          '"dtype": "float32", "torch_version": "x", "context_len": 256, "n_params": 1}'
+    curve = SPSCurve.from_json(old)
+    assert curve.rows == {256: [10.0, 5.0]} and curve.online and not curve.noisy
+
+
+# ---------------------------------------------------------------------- measurement with injected timings
+def fake_timer(monkeypatch, ms_of):
+    """Replace the real timing by ``ms_of(B, context, call_index)`` milliseconds; returns the call log."""
+    calls = []
+
+    def fake(target, cache, input_ids):
+        calls.append((input_ids.shape[1], cache.get_seq_length()))
+        return ms_of(input_ids.shape[1], cache.get_seq_length(), len(calls)) / 1e3
+
+    monkeypatch.setattr(profiling, "time_verify_step", fake)
+    return calls
+
+
+def test_profile_measures_each_context_on_a_grown_cache(target, monkeypatch):
+    calls = fake_timer(monkeypatch, lambda b, ctx, i: 10 + b * ctx / 8)  # cost grows with B × context
+    curve = profile_sps(target, cache=False, **{**KW, "contexts": (16, 32, 61)})  # 61 + 4 > 64: skipped
+    assert list(curve.rows) == [8, 16, 32]
+    for ctx, row in curve.rows.items():
+        assert row == pytest.approx([1e3 / (10 + b * ctx / 8) for b in range(1, 5)])
+    assert {ctx for _, ctx in calls} == {8, 16, 32}  # the cache really had that many tokens
+    # interpolation in milliseconds between rows, clamped outside them
+    assert 1e3 / curve.at(24)[3] == pytest.approx((1e3 / curve.at(16)[3] + 1e3 / curve.at(32)[3]) / 2)
+    assert curve.at(4) == curve.rows[8] and curve.at(4096) == curve.rows[32]
+
+
+def test_stopping_rule_stops_early_on_steady_timings(target, monkeypatch):
+    calls = fake_timer(monkeypatch, lambda b, ctx, i: 50.0)
+    curve = profile_sps(target, cache=False, **{**KW, "min_repeats": 3, "max_repeats": 20})
+    assert len(calls) == 4 * (1 + 3)  # warm-up + min_repeats sweeps of B = 1..4: the medians are exact
+    assert not curve.noisy and curve.spread == 0.0
+
+
+def test_noisy_timings_are_flagged_warned_and_cached(target, monkeypatch, hf_home):
+    calls = fake_timer(monkeypatch, lambda b, ctx, i: 50.0 * (1 + 3 * ((i - 1) // 4 % 2)))  # 50 / 200 ms, sweep by sweep
+    with pytest.warns(NoisySPSWarning, match="noisy"):
+        curve = profile_sps(target, **{**KW, "min_repeats": 3, "max_repeats": 6})
+    assert len(calls) == 4 * (1 + 6)  # never tight enough: ran to max_repeats
+    assert curve.noisy and curve.spread > profiling.NOISY_SPREAD
+    stored = SPSCurve.from_json(sps_cache_path(target, 8).read_text())
+    assert stored.noisy
+    with pytest.warns(NoisySPSWarning, match="cached in"):
+        load_or_profile_sps(target, **KW)
+    assert "noisy" in stored.table()
+
+
+def test_time_budget_caps_the_sweeps(target, monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(profiling.time, "perf_counter", lambda: clock[0])
+
+    def slow(b, ctx, i):
+        clock[0] += 1.0  # each timed step "takes" one second of the fake clock
+        return 50.0 * (1 + (i - 1) // 4 % 2)  # never tight
+
+    calls = fake_timer(monkeypatch, slow)
+    with pytest.warns(NoisySPSWarning):
+        profile_sps(target, cache=False, **{**KW, "min_repeats": 2, "max_repeats": 100, "time_budget_s": 20.0})
+    assert len(calls) == 4 * (1 + 4)  # 4 s per sweep, 20 s budget (warm-up included): stops after 4 sweeps
+
+
+def test_out_of_budget_skips_further_contexts_but_not_the_primary(target, monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(profiling.time, "perf_counter", lambda: clock[0])
+
+    def slow(b, ctx, i):
+        clock[0] += 1.0
+        return 50.0 * (1 + (i - 1) // 4 % 2)
+
+    calls = fake_timer(monkeypatch, slow)
+    with pytest.warns(NoisySPSWarning):
+        curve = profile_sps(target, cache=False, **{**KW, "context_len": 16, "contexts": (8, 32),
+                                                    "max_repeats": 100, "time_budget_s": 10.0})
+    assert list(curve.rows) == [8, 16]  # 8 used the time; the primary 16 still got its 2 sweeps; 32 skipped
+    assert [ctx for _, ctx in calls].count(16) == 4 * 2
+
+
+# ------------------------------------------------------------------------------------- online refinement
+def wrong_curve(ms=5000.0, rows=None) -> SPSCurve:
+    return SPSCurve(steps_per_s=[1e3 / ms] * 5, target_name="t", device_name="cpu", dtype="float32",
+                    torch_version="x", context_len=256, n_params=1, context_curves=rows or {})
+
+
+def test_observe_moves_the_curve_toward_the_measured_times():
+    curve, truth = wrong_curve(), [60.0, 62.0, 64.0, 66.0, 68.0]
+    for _ in range(100):
+        for b in (2, 4):  # the sizes the scheduler happened to pick
+            curve.observe(b, 300, truth[b - 1] / 1e3)
+    ms = [1e3 / s for s in curve.steps_per_s]
+    assert curve.observations == 200 and list(curve.rows) == [256]  # 300 is within a factor √2 of 256
+    assert ms[1] == pytest.approx(truth[1], rel=0.02) and ms[3] == pytest.approx(truth[3], rel=0.02)
+    for b in (1, 3, 5):  # never observed: moved by their neighbours from 5000 ms to the measured range
+        assert 55 < ms[b - 1] < 75
+
+
+def test_one_spike_moves_the_estimate_by_its_weight_only():
+    curve = wrong_curve(ms=60.0)
+    curve.observe(1, 256, 0.6)  # one 10x outlier
+    assert 1e3 / curve.steps_per_s[0] == pytest.approx(60.0 * 10 ** profiling.ONLINE_WEIGHT)
+
+
+def test_observations_at_long_context_go_to_their_own_row():
+    curve = wrong_curve(ms=50.0, rows={2048: [1e3 / 100.0] * 5})
+    curve.observe(5, 7000, 0.2)  # no row within a factor √2: a new row 8192, seeded from the 2048 row (clamped)
+    assert list(curve.rows) == [256, 2048, 8192]
+    assert 1e3 / curve.rows[8192][4] == pytest.approx(100.0 * 2 ** profiling.ONLINE_WEIGHT)
+    assert curve.steps_per_s == [20.0] * 5 and curve.rows[2048] == [10.0] * 5  # other rows untouched
+    curve.observe(1, 1500, 0.1)  # within a factor √2 of 2048
+    assert 1e3 / curve.rows[2048][0] == pytest.approx(100.0)  # 100 ms observed at 100 ms: unchanged
+    with pytest.raises(ValueError, match="1..5"):
+        curve.observe(6, 256, 0.1)
+    with pytest.raises(ValueError, match="seconds > 0"):
+        curve.observe(1, 256, 0.0)
+
+
+def test_generate_refines_a_wrong_curve_from_injected_verify_times(monkeypatch, hf_home):
+    """generate() in scheduler mode feeds every round's verify time to the drafter's curve."""
+    target = cycle_target(num_hidden_layers=1, alpha=0.026)
+    drafter = cycle_drafter(target, "markov")
+    drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * 4)
+    drafter.set_sps_curve(SPSCurve(steps_per_s=[1e3 / 5000.0] * 5, target_name="t", device_name="cpu",
+                                   dtype="float32", torch_version="x", context_len=32, n_params=1))
+    clock = [0.0]
+
+    def tick():  # a fake clock: every reading is 40 ms after the previous one
+        clock[0] += 0.040
+        return clock[0]
+
+    from dspark_hf import generation
+    monkeypatch.setattr(generation.time, "perf_counter", tick)
+    ids = torch.randint(CYCLE_VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, max_new_tokens=34,
+                    do_sample=False, dspark_verification="scheduler")
+    rounds = drafter.last_stats.rounds
+    curve = drafter.sps_curve
+    assert curve.observations == len(rounds) >= 8
+    assert all(r.verify_ms == pytest.approx(40.0) for r in rounds)
+    assert list(curve.rows) == [32]  # contexts 6..39: all within a factor √2 of 32 or below it
+    start_error = math.log(5000 / 40.0)
+    for b in range(1, 6):  # from 5000 ms toward the 40 ms every verification took
+        n_b = sum(r.scheduled + 1 == b for r in rounds)
+        error = math.log(1e3 / curve.steps_per_s[b - 1] / 40.0)
+        assert 0 <= error <= (1 - profiling.ONLINE_WEIGHT) ** n_b * start_error  # each own observation: × 0.9
+        assert error < start_error  # unobserved sizes too: pulled by their neighbours
+    assert curve.counts == {32: [sum(r.scheduled + 1 == b for r in rounds) for b in range(1, 6)]}
+
+
+def test_scheduler_reads_the_row_of_the_current_context(hf_home):
+    """Verification is cheap at short context and steep at long context: ℓ follows the context's row."""
+    from dspark_hf.scheduler import schedule_prefix
+
+    target = cycle_target(num_hidden_layers=1, alpha=0.026)
+    drafter = cycle_drafter(target, "markov")
+    drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * 4)
+    flat, steep = [1e3 / m for m in (50, 51, 52, 53, 54)], [1e3 / m for m in (50, 120, 190, 260, 330)]
+    curve = SPSCurve(steps_per_s=flat, target_name="t", device_name="cpu", dtype="float32", torch_version="x",
+                     context_len=8, n_params=1, context_curves={24: steep}, online=False)
+    drafter.set_sps_curve(curve)
+    ids = torch.randint(CYCLE_VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, max_new_tokens=30,
+                    do_sample=False, dspark_verification="scheduler")
+    context, differs = ids.shape[1], 0  # the prefill step adds one token, the cache holds all but the last
+    for r in drafter.last_stats.rounds:
+        c = drafter.calibration.apply(torch.tensor(r.confidences))
+        assert r.scheduled == schedule_prefix(c, curve.at(context)[: r.drafted + 1])
+        differs += r.scheduled != schedule_prefix(c, flat[: r.drafted + 1])
+        context += r.accepted + 1
+    assert differs > 0  # the long-context rounds verified less than the short-context row would have
+
+
+def test_plot_writes_a_png(tmp_path):
+    path = plot_sps(wrong_curve(rows={1024: [8.0] * 5}), tmp_path / "sps.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_save_sps_writes_the_cache_file(target, hf_home):
+    curve = profile_sps(target, cache=False, **KW)
+    curve.observe(2, 8, 0.5)
+    path = save_sps(curve, target)
+    assert path == sps_cache_path(target, 8) and SPSCurve.from_json(path.read_text()) == curve

@@ -14,6 +14,7 @@ from dspark_hf import DSparkConfig, DSparkDrafter
 from dspark_hf import target as target_mod
 from dspark_hf.data import chat_ids
 from dspark_hf.kernels import is_prepacked
+from dspark_hf.target import check_local_path
 
 
 def test_missing_package_names_install_command(monkeypatch):
@@ -146,3 +147,37 @@ def test_cli_generate_compare_json():
     assert record["identical"] is True and 0 < record["new_tokens"] <= 16 and record["tau"] >= 1
     assert record["sources"]["target"] == record["rounds"]  # --lookup: tokens by origin (lookup / dspark / target)
     assert sum(record["sources"].values()) in (record["new_tokens"] - 1, record["new_tokens"] - 2)
+
+
+# ------------------------------------------------------------------------- local-looking paths
+@pytest.mark.parametrize("name", ["model_cards/dspark-smollm2-135m-instruct", "./drafter", "../x", "a/b/c",
+                                  "~/nowhere", "runs\\drafter"])
+def test_missing_local_looking_drafter_fails_at_once(name, tmp_path, monkeypatch):
+    from dspark_hf import DSparkDrafter
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(Path, "home", lambda: tmp_path / "home")  # "~" expands there, not to the real home
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    with pytest.raises(FileNotFoundError, match="looks like a local path") as err:
+        DSparkDrafter.from_pretrained(name)
+    assert str(tmp_path) in str(err.value)  # the directory it was resolved against
+
+
+def test_missing_checkout_folder_names_the_checkout(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="Did you mean .*model_cards/dspark-smollm2-135m-instruct"):
+        check_local_path("model_cards/dspark-smollm2-135m-instruct", "drafter")
+
+
+@pytest.mark.parametrize("name", ["HuggingFaceTB/SmolLM2-135M-Instruct", "gpt2", "org-name/model_v1.5"])
+def test_hub_ids_pass_through(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    check_local_path(name)  # left to from_pretrained (Hub or cache)
+
+
+def test_a_typo_under_an_existing_folder_is_local(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(FileNotFoundError, match="runs/drafte"):
+        check_local_path("runs/drafte")
+    check_local_path(str(tmp_path / "runs"))  # exists: nothing to say
