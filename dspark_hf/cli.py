@@ -1,4 +1,4 @@
-"""The ``dspark`` command line: info, generate, profile, train, calibrate, bench, card, push, demo."""
+"""The ``dspark`` command line: info, generate, profile, train, calibrate, export, import, bench, card, push, demo."""
 
 from __future__ import annotations
 
@@ -144,6 +144,31 @@ def cmd_calibrate(args):
                       "ece_after": report["mean_ece_after"], "temperatures": sts.temperatures}, indent=2))
 
 
+def cmd_export(args):
+    from .export import export_drafter
+    from .model import DSparkDrafter
+
+    drafter = DSparkDrafter.from_pretrained(args.drafter_dir)
+    if args.format == "speculators" and drafter.config.draft_vocab_size:  # stores the target's lm_head rows
+        from transformers import AutoModelForCausalLM
+
+        from .target import load_default_target
+
+        target = load_default_target(prepack=False)[0] if args.target is None else AutoModelForCausalLM.from_pretrained(args.target)
+        drafter.bind(target)
+    out = export_drafter(drafter, args.out, args.format, verifier_name_or_path=args.verifier)
+    print(f"{args.format} checkpoint written to {out}")
+
+
+def cmd_import(args):
+    from .model import DSparkDrafter
+
+    drafter = DSparkDrafter.from_pretrained(args.checkpoint)
+    drafter.save_pretrained(args.out)
+    print(f"dspark-hf drafter written to {args.out} (sequential head {drafter.config.sequential_head!r}, "
+          f"draft vocabulary {drafter.config.draft_vocab_size or 'full'}, verification {drafter.config.verification!r})")
+
+
 def main(argv=None):
     """Entry point of the ``dspark`` console script."""
     parser = argparse.ArgumentParser(prog="dspark", description=__doc__)
@@ -187,6 +212,17 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=40)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
+
+    p = command("export", cmd_export, "write a v2 drafter as a speculators (vLLM) or DeepSpec (SGLang, SpecForge) checkpoint")
+    p.add_argument("drafter_dir", help="dspark-hf drafter folder or Hub id")
+    p.add_argument("--format", choices=("speculators", "deepspec"), required=True)
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--verifier", default=None,
+                   help="speculators: the verifier's Hub id or folder the engine loads (default: the drafter's target_name_or_path)")
+
+    p = command("import", cmd_import, "convert a speculators or DeepSpec DSpark checkpoint into a dspark-hf drafter folder")
+    p.add_argument("checkpoint", help="checkpoint folder or Hub id")
+    p.add_argument("--out", required=True, help="output folder (loadable with DSparkDrafter.from_pretrained)")
 
     from . import bench, demo, hub
 

@@ -17,6 +17,7 @@ output (greedy and sampled) on a tiny target, and on the real target in tests/te
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,40 +89,43 @@ def context(target, drafter, seed=7):
 @torch.no_grad()
 def ours(drafter, features, anchor):
     """Greedy drafts ``[γ]``, and the teacher-forced logits ``[γ, V]`` (``-inf`` outside the draft
-    vocabulary) and confidence logits ``[γ]`` along those drafts."""
+    vocabulary) and confidence logits ``[γ]`` along those drafts (γ = ``config.block_size``)."""
+    gamma, n = drafter.config.block_size, features.shape[1]
     ctx = drafter.new_context()
     drafter.extend_context(ctx, features)
-    tokens = drafter.draft(ctx, anchor, GAMMA).tokens
+    tokens = drafter.draft(ctx, anchor, gamma).tokens
     prev = torch.cat([torch.tensor([anchor]), tokens[:-1]])
-    positions = torch.arange(N_CTX, N_CTX + GAMMA)[None]
-    hidden = drafter.backbone(drafter.block_embeddings(torch.tensor([anchor]), GAMMA), positions, ctx.layers)[0]
+    positions = torch.arange(n, n + gamma)[None]
+    hidden = drafter.backbone(drafter.block_embeddings(torch.tensor([anchor]), gamma), positions, ctx.layers)[0]
     out = drafter.heads(hidden, prev)
-    logits = torch.full((GAMMA, V), float("-inf"))
-    logits[:, drafter.draft_vocab] = out.logits
-    return tokens, logits, out.confidence_logits
+    logits = torch.full((gamma, drafter.config.vocab_size), float("-inf"))
+    logits[:, drafter.draft_vocab] = out.logits.float()
+    return tokens, logits, None if out.confidence_logits is None else out.confidence_logits.float()
 
 
 # ------------------------------------------------------------------------------------- reference drivers
 @torch.no_grad()
 def speculators_block(path, features, anchor, prev):
     """speculators 0.9.0: ``(logits [γ, V] on the draft vocabulary, -inf elsewhere; confidence logits
-    [γ] or None; greedy drafts [γ] as target ids)``, logits/confidences teacher-forced on ``prev``."""
+    [γ] or None; greedy drafts [γ] as target ids)``, logits/confidences teacher-forced on ``prev`` ``[γ]``."""
     from speculators.models.dspark import DSparkDraftModel
 
+    gamma, n = prev.numel(), features.shape[1]
     model = DSparkDraftModel.from_pretrained(path).eval()
     model.config.transformer_layer_config._attn_implementation = "eager"  # no mask: full attention (one block)
-    block = torch.full((1, GAMMA), model.mask_token_id)
+    block = torch.full((1, gamma), model.mask_token_id)
     block[0, 0] = anchor
     hidden = model.embed_tokens(block)
     ctx = model.hidden_norm(model.fc(features))
-    positions = torch.arange(N_CTX + GAMMA)[None]
+    positions = torch.arange(n + gamma)[None]
     rope = model.rotary_emb(hidden, positions)
     for layer in model.layers:
         hidden = layer(hidden_states=hidden, target_hidden=ctx, attention_mask=None, position_ids=positions,
                        position_embeddings=rope)
     hidden = model.norm(hidden)  # [1, γ, d]
     base = model.lm_head(hidden)  # [1, γ, V'] (draft rows sorted by target id)
-    to_target = (torch.arange(model.draft_vocab_size) + model.d2t) if model.use_draft_vocab else torch.arange(V)
+    vocab = model.verifier_vocab_size
+    to_target = (torch.arange(model.draft_vocab_size) + model.d2t) if model.use_draft_vocab else torch.arange(vocab)
 
     def heads(prev_ids):  # prev_ids: [k] target ids -> logits [k, V'], confidence logits [k]
         k = prev_ids.numel()
@@ -135,10 +139,10 @@ def speculators_block(path, features, anchor, prev):
         return logits, conf
 
     logits, conf = heads(prev)
-    full = torch.full((GAMMA, V), float("-inf"))
+    full = torch.full((gamma, vocab), float("-inf"))
     full[:, to_target] = logits
     drafts = [anchor]
-    for k in range(GAMMA):  # greedy, left to right (the Markov bias reads the previous draft)
+    for k in range(gamma):  # greedy, left to right (the Markov bias reads the previous draft)
         drafts.append(int(to_target[heads(torch.tensor(drafts))[0][k].argmax()]))
     return full, conf, torch.tensor(drafts[1:])
 
@@ -149,11 +153,11 @@ def specforge_block(path, target, features, anchor, prev):
     full vocabulary)."""
     from specforge.modeling.draft.dspark import DSparkDraftModel
 
+    gamma, n = prev.numel(), features.shape[1]
     model = DSparkDraftModel.from_pretrained(path).eval()
-    config = model.config
-    block = torch.full((1, GAMMA), config.dflash_config["mask_token_id"])
+    block = torch.full((1, gamma), model.config.dflash_config["mask_token_id"])
     block[0, 0] = anchor
-    hidden = model(position_ids=torch.arange(N_CTX + GAMMA)[None], noise_embedding=target.get_input_embeddings()(block),
+    hidden = model(position_ids=torch.arange(n + gamma)[None], noise_embedding=target.get_input_embeddings()(block),
                    target_hidden=features)  # [1, γ, d], full attention (no mask)
     base = target.lm_head(hidden)  # [1, γ, V]
     logits = model.apply_logits_head(base, prev_token_ids=prev[None], hidden_states=hidden)[0]
@@ -171,7 +175,7 @@ def assert_conform(ours_out, ref_out, drafter):
     ref_logits, ref_conf, ref_tokens = ref_out
     inside = drafter.draft_vocab
     assert (ref_logits[:, inside] - logits[:, inside]).abs().max() <= 1e-4
-    outside = torch.ones(V, dtype=torch.bool)
+    outside = torch.ones(logits.shape[-1], dtype=torch.bool)
     outside[inside] = False
     if outside.any():  # never drafted: -inf (speculators) or ~-1e4 (DeepSpec's vocabulary rank)
         assert ref_logits[:, outside].max() < ref_logits[:, inside].min() - 1000
@@ -294,3 +298,98 @@ def test_import_rejects_what_it_cannot_run_exactly(target_dir, tmp_path):
     (out / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(ValueError, match="neither a speculators nor a DeepSpec"):
         import_drafter(out)
+
+
+def test_cli_export_and_import(target_dir, tmp_path):
+    from dspark_hf.cli import main
+
+    path, target = target_dir
+    drafter = random_drafter(target, "rnn", DRAFT_VOCAB, True)
+    drafter.save_pretrained(tmp_path / "ours")
+    main(["export", str(tmp_path / "ours"), "--format", "speculators", "--out", str(tmp_path / "spec"), "--target", str(path)])
+    assert json.loads((tmp_path / "spec" / "config.json").read_text())["draft_vocab_size"] == DRAFT_VOCAB
+    main(["import", str(tmp_path / "spec"), "--out", str(tmp_path / "back")])
+    back = DSparkDrafter.from_pretrained(tmp_path / "back").bind(target)
+    assert checkpoint_format(json.loads((tmp_path / "back" / "config.json").read_text())) is None
+    features, anchor = context(target, drafter)
+    for a, b in zip(ours(drafter, features, anchor), ours(back, features, anchor)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------- the real target (SmolLM2-135M-Instruct)
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = ["model_cards/dspark-smollm2-135m-instruct", "ablations/dspark-rnn-smollm2-135m-instruct",
+           "ablations/dflash-smollm2-135m-instruct"]
+
+
+@pytest.fixture(scope="module")
+def real_target():
+    """Stock fp32 kernels: the references multiply by the lm_head with torch's own matmul."""
+    from dspark_hf.target import default_target_dir, load_default_target
+
+    model, tokenizer = load_default_target(prepack=False)
+    return model, tokenizer, str(default_target_dir())
+
+
+def real_context(model, tokenizer, drafter):
+    from dspark_hf.data import chat_ids
+
+    ids = torch.tensor([chat_ids(tokenizer, "Write a Python function that reverses a string.")])
+    with torch.no_grad():
+        states = model(ids, output_hidden_states=True).hidden_states
+    features = torch.cat([states[i + 1] for i in drafter.config.target_layer_ids], dim=-1)
+    return ids, features[:, :-1], int(ids[0, -1])
+
+
+def random_real_drafter(model, draft_vocab=2048):
+    """An untrained v2 drafter for SmolLM2 (mask = <empty_output>, id 16) with a random Markov W2 and confidence."""
+    torch.manual_seed(0)
+    drafter = DSparkDrafter(DSparkConfig.for_target(model, num_hidden_layers=1, draft_vocab_size=draft_vocab,
+                                                    mask_token_id=16, verification="fixed"))
+    with torch.no_grad():
+        drafter.sequential.w2.weight.normal_(0.0, 0.5)
+        drafter.confidence.proj.bias.fill_(0.3)
+    if draft_vocab:
+        drafter.set_draft_vocab(torch.arange(17, 17 + draft_vocab))
+    return drafter.bind(model).eval()
+
+
+def check_real(model, tokenizer, verifier, drafter, tmp_path):
+    """Conformance with both references (when installed); round trips: the speculators import generates the
+    same sampled output in the same rounds, the DeepSpec import drafts the same."""
+    ids, features, anchor = real_context(model, tokenizer, drafter)
+    mine = ours(drafter, features, anchor)
+    prev = torch.cat([torch.tensor([anchor]), mine[0][:-1]])
+    spec = export_drafter(drafter, tmp_path / "speculators", "speculators", verifier_name_or_path=verifier)
+    deep = export_drafter(drafter, tmp_path / "deepspec", "deepspec")
+    if NO_SPECULATORS is None:
+        assert_conform(mine, speculators_block(spec, features, anchor, prev), drafter)
+    if NO_SPECFORGE is None:
+        assert_conform(mine, specforge_block(deep, model, features, anchor, prev), drafter)
+    for a, b in zip(mine, ours(DSparkDrafter.from_pretrained(deep).bind(model), features, anchor)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    back = DSparkDrafter.from_pretrained(spec).bind(model)
+    runs = []
+    for d in (drafter, back):
+        torch.manual_seed(0)
+        runs.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=True,
+                                   temperature=0.7, assistant_model=d, dspark_verification="fixed"))
+        runs.append([(r.scheduled, r.accepted) for r in d.last_stats.rounds])
+    assert torch.equal(runs[0], runs[2]) and runs[1] == runs[3]
+
+
+def test_random_v2_drafter_on_the_real_target(real_target, tmp_path):
+    model, tokenizer, verifier = real_target
+    check_real(model, tokenizer, verifier, random_real_drafter(model), tmp_path)
+
+
+@pytest.mark.parametrize("folder", SHIPPED)
+def test_shipped_drafters_export_or_name_the_fix(real_target, tmp_path, folder):
+    """Trained drafters: v2 ones conform and round-trip; v1 ones (today's, until they are retrained) say how."""
+    model, tokenizer, verifier = real_target
+    drafter = DSparkDrafter.from_pretrained(ROOT / folder).bind(model).eval()  # bind: fp32, as the target
+    if drafter.config.dspark_version == 1:
+        with pytest.raises(ValueError, match="v1 drafter.*dspark train"):
+            export_drafter(drafter, tmp_path, "speculators")
+        return
+    check_real(model, tokenizer, verifier, drafter, tmp_path)
