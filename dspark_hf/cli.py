@@ -103,6 +103,10 @@ def cmd_profile(args):
     target, _ = load_cli_target(args)
     measure = profile_sps if args.refresh else load_or_profile_sps  # profile_sps replaces the cached file
     curve = measure(target, max_tokens=args.max_tokens, context_len=args.context_len)
+    if args.engine_table:
+        Path(args.out).write_text(json.dumps(curve.engine_table(args.engine_table), indent=2) + "\n")
+        print(f"{args.engine_table} cost table ({curve.max_tokens} sizes, {curve.device_name}) written to {args.out}")
+        return
     if args.json:
         print(curve.to_json())
     else:
@@ -203,6 +207,9 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--context-len", type=int, default=256)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--engine-table", choices=("sglang", "tensorrt-llm"), default=None,
+                   help="write the curve as that engine's cost table (SGLang: --speculative-dspark-sps-table-path) to --out")
+    p.add_argument("--out", default="sps_table.json", help="file for --engine-table")
 
     p = command("train", cmd_train, "regenerate data with the target and train a drafter")
     p.add_argument("--config", default=str(DEFAULT_TRAIN_CONFIG))

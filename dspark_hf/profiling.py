@@ -37,6 +37,7 @@ from dspark_hf.target import cache_root
 __all__ = ["SPSCurve", "device_name", "load_or_profile_sps", "profile_sps", "sps_cache_path", "time_verify_step"]
 
 FORMAT_VERSION = 1
+ENGINE_TABLES = ("sglang", "tensorrt-llm")  # SPSCurve.engine_table formats
 
 
 @dataclass
@@ -89,6 +90,31 @@ class SPSCurve:
             running = min(running, s)
             out.append(running)
         return dataclasses.replace(self, steps_per_s=out, smoothed=True)
+
+    def engine_table(self, engine: str) -> dict:
+        """The curve as the cost table a serving engine reads (issue #11).
+
+        ``B`` here is what the engines index by: tokens in one verification forward (bonus included).
+
+        Args:
+            engine: ``"sglang"``: the JSON of ``--speculative-dspark-sps-table-path``
+                (``sample_batch_tokens`` = ``1..max_tokens``, ``sample_steps_per_sec``, ``max_batch_tokens``);
+                ``"tensorrt-llm"``: the confidence-scheduler cost table (``token_counts``,
+                ``step_time_ms`` = ``1000 / SPS(B)``, ``fixed_overhead_ms`` = 0: the steps were timed whole).
+
+        Returns:
+            A JSON-serialisable dict with exactly the keys that engine reads.
+
+        Raises:
+            ValueError: unknown ``engine``.
+        """
+        tokens = list(range(1, self.max_tokens + 1))
+        if engine == "sglang":
+            return {"sample_batch_tokens": tokens, "sample_steps_per_sec": list(self.steps_per_s),
+                    "max_batch_tokens": self.max_tokens}
+        if engine == "tensorrt-llm":
+            return {"token_counts": tokens, "step_time_ms": [1e3 / s for s in self.steps_per_s], "fixed_overhead_ms": 0.0}
+        raise ValueError(f"engine must be one of {ENGINE_TABLES}, got {engine!r}")
 
     def to_json(self) -> str:
         """JSON text with every field plus ``format_version``."""
