@@ -167,7 +167,8 @@ def _to_speculators(drafter: DSparkDrafter, heads: dict, verifier: str):
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.block_size,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": []},
+            "verifier": {"name_or_path": verifier, "architectures": list(getattr(bound.config, "architectures", None) or [])
+                         if (bound := drafter.__dict__.get("_bound_target")) is not None else []},
         },
         "transformer_layer_config": _layer_config(config),
         "draft_vocab_size": ids.numel(),
