@@ -1,4 +1,4 @@
-"""The ``dspark`` command line: info, generate, profile, train, calibrate, bench, card, push, demo."""
+"""The ``dspark`` command line: info, generate, profile, train, calibrate, export, import, bench, card, push, demo."""
 
 from __future__ import annotations
 
@@ -119,6 +119,10 @@ def cmd_profile(args):
         curve = profile_sps(target, **kwargs)
     else:
         curve = load_or_profile_sps(target, **kwargs)
+    if args.engine_table:
+        Path(args.out).write_text(json.dumps(curve.engine_table(args.engine_table), indent=2) + "\n")
+        print(f"{args.engine_table} cost table ({curve.max_tokens} sizes, {curve.device_name}) written to {args.out}")
+        return
     if args.json:
         print(curve.to_json())
         return
@@ -189,6 +193,31 @@ def cmd_calibrate(args):
 DEFAULT_THREADS = 1  # see the README's "Threads and load": 2 threads collapse on a shared 2-core CPU
 
 
+def cmd_export(args):
+    from .export import export_drafter
+    from .model import DSparkDrafter
+
+    drafter = DSparkDrafter.from_pretrained(args.drafter_dir)
+    if args.format == "speculators" and drafter.config.draft_vocab_size:  # stores the target's lm_head rows
+        from transformers import AutoModelForCausalLM
+
+        from .target import load_default_target
+
+        target = load_default_target(prepack=False)[0] if args.target is None else AutoModelForCausalLM.from_pretrained(args.target)
+        drafter.bind(target)
+    out = export_drafter(drafter, args.out, args.format, verifier_name_or_path=args.verifier)
+    print(f"{args.format} checkpoint written to {out}")
+
+
+def cmd_import(args):
+    from .model import DSparkDrafter
+
+    drafter = DSparkDrafter.from_pretrained(args.checkpoint)
+    drafter.save_pretrained(args.out)
+    print(f"dspark-hf drafter written to {args.out} (sequential head {drafter.config.sequential_head!r}, "
+          f"draft vocabulary {drafter.config.draft_vocab_size or 'full'}, verification {drafter.config.verification!r})")
+
+
 def main(argv=None):
     """Entry point of the ``dspark`` console script."""
     parser = argparse.ArgumentParser(prog="dspark", description=__doc__)
@@ -236,6 +265,9 @@ def main(argv=None):
     p.add_argument("--time-budget", type=float, default=25.0, help="seconds for the whole measurement (default 25)")
     p.add_argument("--png", default=None, help="where to write the plot (default: next to the cached JSON)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--engine-table", choices=("sglang", "tensorrt-llm"), default=None,
+                   help="write the curve as that engine's cost table (SGLang: --speculative-dspark-sps-table-path) to --out")
+    p.add_argument("--out", default="sps_table.json", help="file for --engine-table")
 
     p = command("train", cmd_train, "regenerate data with the target and train a drafter")
     p.add_argument("--config", default=str(DEFAULT_TRAIN_CONFIG))
@@ -250,6 +282,17 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=40)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
+
+    p = command("export", cmd_export, "write a v2 drafter as a speculators (vLLM) or DeepSpec (SGLang, SpecForge) checkpoint")
+    p.add_argument("drafter_dir", help="dspark-hf drafter folder or Hub id")
+    p.add_argument("--format", choices=("speculators", "deepspec"), required=True)
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--verifier", default=None,
+                   help="speculators: the verifier's Hub id or folder the engine loads (default: the drafter's target_name_or_path)")
+
+    p = command("import", cmd_import, "convert a speculators or DeepSpec DSpark checkpoint into a dspark-hf drafter folder")
+    p.add_argument("checkpoint", help="checkpoint folder or Hub id")
+    p.add_argument("--out", required=True, help="output folder (loadable with DSparkDrafter.from_pretrained)")
 
     from . import bench, demo, hub
 

@@ -56,6 +56,10 @@ class DSparkConfig(PreTrainedConfig):
         mask_token_id: v2 only (required there): target token whose frozen input embedding fills the
             γ-1 mask slots; it should be a reserved token the drafter never drafts (outside the draft
             vocabulary). ``None`` in v1 (a learned ``mask_embedding`` fills them).
+        full_token_table: ``W1`` has one row per TARGET token (``[V, r]``, as the reference heads'
+            ``markov_w1``) instead of ``V' + 1`` rows (draft vocabulary + one shared row for the rest).
+            Set by :func:`dspark_hf.export.import_drafter` for reference checkpoints whose ``W1``
+            differs across tokens outside the draft vocabulary.
 
     Raises:
         ValueError: on an unknown sequential head, γ outside 1..16, layer ids out of range, an unknown
@@ -91,6 +95,7 @@ class DSparkConfig(PreTrainedConfig):
         dspark_version: int = 2,
         qk_norm: bool | None = None,
         mask_token_id: int | None = None,
+        full_token_table: bool = False,
         **kwargs,
     ):
         self.target_name_or_path = target_name_or_path
@@ -117,6 +122,7 @@ class DSparkConfig(PreTrainedConfig):
         self.dspark_version = dspark_version
         self.qk_norm = dspark_version >= 2 if qk_norm is None else qk_norm  # None: the version's value
         self.mask_token_id = mask_token_id
+        self.full_token_table = full_token_table
         super().__init__(**kwargs)
         self._check()
 

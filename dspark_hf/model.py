@@ -7,8 +7,10 @@ by :meth:`DSparkDrafter.bind`, never copied into the drafter's parameters or its
 
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -192,7 +194,8 @@ class DSparkDrafter(PreTrainedModel):
         self.layers = nn.ModuleList(DSparkLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = LlamaRMSNorm(d, config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(_llama_config(config))
-        self.token_table = nn.Embedding(vocab + 1, r) if config.uses_token_table else None  # W1
+        table_rows = config.vocab_size if config.full_token_table else vocab + 1
+        self.token_table = nn.Embedding(table_rows, r) if config.uses_token_table else None  # W1
         self.sequential = {"none": lambda: None, "markov": lambda: MarkovHead(r, vocab), "rnn": lambda: RNNHead(d, r, vocab, bias=v2)}[
             config.sequential_head
         ]()
@@ -231,13 +234,23 @@ class DSparkDrafter(PreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """Load a drafter (local folder or Hub id) and, when present, its ``calibration.json``.
 
+        A speculators- or DeepSpec-format DSpark checkpoint (vLLM, SGLang, SpecForge) is converted on
+        load by :func:`dspark_hf.export.import_drafter` (``dtype`` applies; other model kwargs do not).
+
         Raises:
             FileNotFoundError: the argument looks like a local folder that does not exist (at once, naming
                 the directory it was resolved against; :func:`~dspark_hf.target.check_local_path`).
         """
         check_local_path(pretrained_model_name_or_path, "drafter")
-        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only") if k in kwargs}
+        config_file = cached_file(pretrained_model_name_or_path, "config.json", _raise_exceptions_for_missing_entries=False, **hub)
+        if config_file is not None:
+            from .export import checkpoint_format, import_drafter
+
+            if checkpoint_format(json.loads(Path(config_file).read_text())) is not None:
+                model = import_drafter(pretrained_model_name_or_path, **hub)
+                return model.to(kwargs["dtype"]) if kwargs.get("dtype") not in (None, "auto") else model
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         file = cached_file(
             pretrained_model_name_or_path, CALIBRATION_FILE, _raise_exceptions_for_missing_entries=False, **hub
         )
@@ -362,8 +375,9 @@ class DSparkDrafter(PreTrainedModel):
         return self.embed_tokens(mask_id).to(self.context_proj.weight.dtype)
 
     def token_embedding(self, ids: torch.Tensor) -> torch.Tensor:
-        """``W1[x]`` for target ids ``[...]`` -> ``[..., r]`` (out-of-draft-vocab ids share one row)."""
-        return self.token_table(self.vocab_index[ids])
+        """``W1[x]`` for target ids ``[...]`` -> ``[..., r]`` (out-of-draft-vocab ids share one row unless
+        ``config.full_token_table``)."""
+        return self.token_table(ids if self.config.full_token_table else self.vocab_index[ids])
 
     # ------------------------------------------------------------------------- training forward
     def forward(self, context_features, anchor_positions, block_tokens, context_lengths=None):

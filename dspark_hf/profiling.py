@@ -74,6 +74,7 @@ REL_TOL = 0.05  # stop sweeping once every median is known to ±5 % (95 % confid
 NOISY_SPREAD = 0.15  # a curve whose medians are still wider than ±15 % is marked noisy
 ONLINE_WEIGHT = 0.1  # EMA weight of one observed verification time (in log-milliseconds)
 NEIGHBOUR_DECAY = 0.7  # an observation at B moves SPS(B ± d) with weight ONLINE_WEIGHT · NEIGHBOUR_DECAY**d
+ENGINE_TABLES = ("sglang", "tensorrt-llm")  # SPSCurve.engine_table formats
 
 
 class NoisySPSWarning(UserWarning):
@@ -237,6 +238,31 @@ class SPSCurve:
         if self.noisy:
             lines.append(f"noisy: medians known only to ±{100 * self.spread:.0f} % (re-profile on a quieter machine)")
         return "\n".join(lines)
+
+    def engine_table(self, engine: str) -> dict:
+        """The curve as the cost table a serving engine reads (issue #11).
+
+        ``B`` here is what the engines index by: tokens in one verification forward (bonus included).
+
+        Args:
+            engine: ``"sglang"``: the JSON of ``--speculative-dspark-sps-table-path``
+                (``sample_batch_tokens`` = ``1..max_tokens``, ``sample_steps_per_sec``, ``max_batch_tokens``);
+                ``"tensorrt-llm"``: the confidence-scheduler cost table (``token_counts``,
+                ``step_time_ms`` = ``1000 / SPS(B)``, ``fixed_overhead_ms`` = 0: the steps were timed whole).
+
+        Returns:
+            A JSON-serialisable dict with exactly the keys that engine reads.
+
+        Raises:
+            ValueError: unknown ``engine``.
+        """
+        tokens = list(range(1, self.max_tokens + 1))
+        if engine == "sglang":
+            return {"sample_batch_tokens": tokens, "sample_steps_per_sec": list(self.steps_per_s),
+                    "max_batch_tokens": self.max_tokens}
+        if engine == "tensorrt-llm":
+            return {"token_counts": tokens, "step_time_ms": [1e3 / s for s in self.steps_per_s], "fixed_overhead_ms": 0.0}
+        raise ValueError(f"engine must be one of {ENGINE_TABLES}, got {engine!r}")
 
     def to_json(self) -> str:
         """JSON text with every field plus ``format_version``."""

@@ -1,12 +1,13 @@
 """Tests for SPS-curve profiling and its disk cache (paper §3.2.2), on a tiny random Llama."""
 
+import json
 import math
 
 import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import CYCLE_VOCAB, LLAMA_DEFAULT_TOKENS, cycle_drafter, cycle_target, tiny_llama
+from conftest import CYCLE_VOCAB, LLAMA_DEFAULT_TOKENS, cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
 from dspark_hf import SequentialTemperatureScaling, profiling
 from dspark_hf.profiling import (NoisySPSWarning, SPSCurve, load_or_profile_sps, plot_sps, profile_sps, save_sps,
                                  sps_cache_path, time_verify_step)
@@ -275,3 +276,24 @@ def test_save_sps_writes_the_cache_file(target, hf_home):
     curve.observe(2, 8, 0.5)
     path = save_sps(curve, target)
     assert path == sps_cache_path(target, 8) and SPSCurve.from_json(path.read_text()) == curve
+
+
+def test_engine_tables():
+    """SGLang's --speculative-dspark-sps-table-path JSON and TensorRT-LLM's cost table, from the same curve."""
+    curve = tiny_sps_curve([20.0, 25.0, 40.0])  # ms per step
+    assert curve.engine_table("sglang") == {"sample_batch_tokens": [1, 2, 3], "sample_steps_per_sec": [50.0, 40.0, 25.0],
+                                            "max_batch_tokens": 3}
+    assert curve.engine_table("tensorrt-llm") == {"token_counts": [1, 2, 3], "step_time_ms": [20.0, 25.0, 40.0],
+                                                  "fixed_overhead_ms": 0.0}
+    with pytest.raises(ValueError, match="engine must be one of"):
+        curve.engine_table("vllm")
+
+
+def test_cli_profile_writes_the_engine_table(tmp_path, monkeypatch):
+    from dspark_hf import cli
+
+    curve = tiny_sps_curve([20.0, 25.0])
+    monkeypatch.setattr(cli, "load_cli_target", lambda args: (None, None))
+    monkeypatch.setattr(profiling, "load_or_profile_sps", lambda target, **kw: curve)
+    cli.main(["profile", "--engine-table", "sglang", "--out", str(tmp_path / "sps.json")])
+    assert json.loads((tmp_path / "sps.json").read_text()) == curve.engine_table("sglang")
