@@ -98,10 +98,13 @@ def check_stats(drafter, out, prompt_len, max_new, gamma, mode, threshold=THRESH
     max_length = prompt_len + max_new
     length = prompt_len + 1  # the prefill step emits the first token; no round is recorded for it
     previous = None  # "async": calibrated confidences of the previous round (paper §5.2)
-    for r in stats.rounds:
-        assert r.drafted == min(gamma, max_length - length - 1) >= 1
+    for i, r in enumerate(stats.rounds):
+        assert r.drafted == min(gamma, max_length - length - 1) >= 0
+        assert r.drafted >= 1 or i == len(stats.rounds) - 1  # a round without drafts is only the last verification
         assert 0 <= r.accepted <= r.scheduled <= r.drafted
-        if mode == "fixed":
+        if r.drafted == 0:
+            assert r.scheduled == 0 and r.draft_tokens == [] and r.confidences == []
+        elif mode == "fixed":
             assert r.scheduled == r.drafted
         else:
             assert len(r.confidences) == r.drafted
@@ -117,9 +120,8 @@ def check_stats(drafter, out, prompt_len, max_new, gamma, mode, threshold=THRESH
                     assert r.scheduled == expected
                     previous = c
         length += r.accepted + 1
-    tail = out.shape[1] - length
-    # after the last round only a single no-room-to-draft step (one token left) may remain
-    assert tail == 0 or (tail == 1 and length == max_length - 1), (tail, length, max_length)
+    assert out.shape[1] == length, "every generated token belongs to the prefill or to exactly one round"
+    assert stats.new_tokens == out.shape[1] - prompt_len
     if stats.rounds:
         assert stats.tau == pytest.approx(sum(r.accepted + 1 for r in stats.rounds) / len(stats.rounds))
     assert stats.verification == mode
@@ -520,7 +522,7 @@ def sample_tables(target, prompt, drafter, mode, n):
         accepting += rounds[0].accepted >= 1
         verifying += rounds[0].scheduled >= 1
         # "async" verifies all of round 1 and plans round 2 from it; the other modes decide in round 1
-        lengths |= {r.scheduled for r in (rounds[1:] if mode == "async" else rounds[:1])}
+        lengths |= {r.scheduled for r in (rounds[1:] if mode == "async" else rounds[:1]) if r.drafted}
     return (first_pair, second_pair), accepting / max(verifying, 1), lengths
 
 
