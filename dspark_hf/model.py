@@ -55,10 +55,29 @@ def _lm_head_weight(head) -> torch.Tensor:
         raise TypeError(
             f"DSpark reads the target's lm_head rows directly, so the lm_head must be a module with a floating-point "
             f"[vocab, hidden] `weight` tensor (nn.Linear in float32/bfloat16/float16); got {type(head).__module__}."
-            f"{type(head).__name__}. Quantize the decoder layers only (e.g. torch.ao.quantization.quantize_dynamic("
-            "target, {'model.layers': default_dynamic_qconfig})) or use an unquantized target."
+            f"{type(head).__name__}. Use an unquantized (float32/bfloat16/float16) target."
         )
     return weight
+
+
+def _check_row_independent(target):
+    """Refuse targets whose token logits depend on the OTHER tokens of a forward (verification would not be lossless).
+
+    ``torch.ao`` dynamic quantization computes one activation scale per forward over all its tokens, so the
+    verification forward's logits at a position depend on the values of the drafts after it, and acceptance
+    would depend on draft values (paper Appendix A). Float kernels (any batch size) are row-independent.
+
+    Raises:
+        TypeError: a dynamically quantized module is found; the message names what is supported.
+    """
+    dynamic = sorted({type(m).__name__ for m in target.modules() if type(m).__module__.startswith("torch.ao.nn.quantized.dynamic")})
+    if dynamic:
+        raise TypeError(
+            f"The target has dynamically quantized modules ({', '.join(dynamic)}: torch.ao quantize_dynamic). Their "
+            "activation scale is computed over all tokens of a forward, so a verified token's logits would depend on "
+            "the drafts verified with it and speculative decoding would not be lossless. Use a float32/bfloat16/float16 "
+            "target, or a weight-only quantization whose tokens are computed independently."
+        )
 
 
 class DSparkAttention(nn.Module):
@@ -273,7 +292,8 @@ class DSparkDrafter(PreTrainedModel):
 
         Raises:
             TypeError: the target's lm_head has no floating-point ``[V, d]`` weight tensor (e.g. a
-                ``torch.ao`` int8 dynamically quantized ``Linear``): the drafter reads its rows (paper §2.2).
+                ``torch.ao`` int8 dynamically quantized ``Linear``): the drafter reads its rows (paper §2.2);
+                or the target has dynamically quantized layers (their logits are not row-independent).
             ValueError: vocabulary size, hidden size or context layers do not fit ``target`` (the
                 message names the fix: train a drafter for this target).
         Warns:
@@ -285,6 +305,7 @@ class DSparkDrafter(PreTrainedModel):
         tc = target.config.get_text_config()
         head, embed = target.get_output_embeddings(), target.get_input_embeddings()
         weight = _lm_head_weight(head)
+        _check_row_independent(target)
         fix = "Use a drafter trained for this target, or train one with `dspark train`."
         if weight.shape[0] != self.config.vocab_size:
             raise ValueError(f"Vocabulary mismatch: target lm_head has {weight.shape[0]} rows, drafter expects {self.config.vocab_size}. {fix}")
