@@ -42,12 +42,12 @@ from transformers.generation.stopping_criteria import (
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerationMixin, GenerationMode
 
+from .calibration import SequentialTemperatureScaling
+from .config import MAX_BLOCK_SIZE, SCHEDULED_MODES, VERIFICATION_MODES, DSparkConfig
 from .kernels import is_prepacked, prepack_linears
 from .model import DSparkDrafter
 from .profiling import load_or_profile_sps
 from .scheduler import schedule_global, schedule_prefix, threshold_prefix
-
-from .config import MAX_BLOCK_SIZE, SCHEDULED_MODES, VERIFICATION_MODES
 
 
 @dataclass
@@ -159,6 +159,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.context = drafter.new_context()
         self.stats = GenerationStats(verification=self.mode)
         drafter.last_stats = self.stats
+        if (mirror := drafter.__dict__.get("_stats_mirror")) is not None:  # the trust_remote_code copy it stands for
+            mirror.last_stats = self.stats
         self._verify_start = None
         self._previous = None  # "async": calibrated confidences of the previous block
 
@@ -479,6 +481,32 @@ _STOCK = {name: getattr(GenerationMixin, name) for name in _REQUIRED_PARAMETERS}
 _SIGNATURES = _stock_signatures()
 
 
+def package_drafter(remote) -> DSparkDrafter:
+    """This package's :class:`DSparkDrafter` for a ``trust_remote_code`` copy of the class (same config, weights,
+    calibration and SPS curve), built once and cached on the copy; the copy's ``last_stats`` follows each call.
+
+    Raises:
+        ValueError: the copy's code differs from this package's (its weights do not load): load the drafter
+            with ``dspark_hf.DSparkDrafter.from_pretrained``.
+    """
+    cached = remote.__dict__.get("_dspark_hf_drafter")
+    if cached is None:
+        cached = DSparkDrafter(DSparkConfig.from_dict(remote.config.to_dict()))
+        try:
+            cached.load_state_dict(remote.state_dict())
+        except RuntimeError as err:
+            raise ValueError("This drafter's trust_remote_code files differ from the installed dspark_hf; load it "
+                             f"with dspark_hf.DSparkDrafter.from_pretrained(...) instead ({err}).") from err
+        cached.to(remote.dtype).train(remote.training)
+        if remote.calibration is not None:
+            cached.calibration = SequentialTemperatureScaling(temperatures=list(remote.calibration.temperatures))
+        if remote.sps_curve is not None:
+            cached.set_sps_curve(remote.sps_curve)
+        cached.__dict__["_stats_mirror"] = remote
+        remote.__dict__["_dspark_hf_drafter"] = cached
+    return cached
+
+
 @functools.wraps(_STOCK["_get_candidate_generator"])
 def _get_candidate_generator(self, *args, **kwargs):
     call = _SIGNATURES["_get_candidate_generator"].bind(self, *args, **kwargs).arguments
@@ -494,18 +522,14 @@ def _validate_generation_mode(self, *args, **kwargs):
     call = _SIGNATURES["_validate_generation_mode"].bind(self, *args, **kwargs).arguments
     generation_config = call["generation_config"]
     assistant = (call["generation_mode_kwargs"] or {}).get("assistant_model")
+    if type(assistant).__name__ == DSparkDrafter.__name__ and not isinstance(assistant, DSparkDrafter):
+        assistant = call["generation_mode_kwargs"]["assistant_model"] = package_drafter(assistant)
     if isinstance(assistant, DSparkDrafter):
         _validate_dspark_call(call["generation_mode"], generation_config)
         call_block_size(generation_config, assistant.config.block_size)
         assistant.bind(self)  # shape checks with a clear message, before transformers' tokenizer check
     else:
         _reject_dspark_settings_without_drafter(generation_config)
-        if type(assistant).__name__ == DSparkDrafter.__name__:  # the trust_remote_code copy of the class
-            raise ValueError(
-                "This DSpark drafter was loaded through trust_remote_code before `import dspark_hf`, so generate() "
-                "cannot route it. `import dspark_hf` and load it with `dspark_hf.DSparkDrafter.from_pretrained(...)`, "
-                "or use `custom_generate=` with the drafter's repo."
-            )
     return _STOCK["_validate_generation_mode"](self, *args, **kwargs)
 
 

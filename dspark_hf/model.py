@@ -498,3 +498,18 @@ class DraftOutput:
     logits: torch.Tensor
     confidence_logits: torch.Tensor | None
     hidden: torch.Tensor
+
+
+def _route_remote_copy() -> None:
+    """This file also ships with each drafter for ``trust_remote_code`` (``hub.py``). Loaded that way, import the
+    installed ``dspark_hf`` so ``target.generate(assistant_model=drafter)`` is routed as after ``import dspark_hf``."""
+    if not __package__ or __package__.split(".")[0] == "dspark_hf":
+        return
+    try:
+        import dspark_hf  # noqa: F401  (importing it installs the generate() routing)
+    except ImportError:
+        warnings.warn("This DSpark drafter was loaded with trust_remote_code, but generate(assistant_model=drafter) "
+                      "needs the dspark-hf package to route it: pip install dspark-hf.")
+
+
+_route_remote_copy()
