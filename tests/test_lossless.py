@@ -354,3 +354,37 @@ def test_text_generation_pipeline(target, prompts):
                     dspark_verification="fixed")[0]["generated_text"]
         assert ours == plain and len(plain) == len(text) + MAX_NEW
         assert drafter.last_stats.new_tokens == MAX_NEW
+
+
+# ------------------------------------------------------------------------------------------ routing
+def test_routing_binds_transformers_arguments_by_name(target, drafter, prompts):
+    """transformers may pass _get_candidate_generator's arguments in any order or by keyword."""
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    from dspark_hf import DSparkCandidateGenerator
+
+    config = GenerationConfig(max_length=20, do_sample=False, dspark_verification="fixed")
+    kwargs = dict(generation_config=config, input_ids=prompts[1], inputs_tensor=prompts[1],
+                  logits_processor=LogitsProcessorList(), model_kwargs={}, assistant_model=drafter)
+    by_name = target._get_candidate_generator(**dict(reversed(list(kwargs.items()))))
+    positional = target._get_candidate_generator(*list(kwargs.values())[:5], assistant_model=drafter)
+    assert type(by_name) is type(positional) is DSparkCandidateGenerator and by_name.block_size == 4
+
+
+def test_missing_transformers_signature_names_the_supported_range(monkeypatch):
+    from transformers.generation.utils import GenerationMixin
+
+    from dspark_hf import generation
+
+    monkeypatch.setattr(GenerationMixin, "_assisted_decoding", lambda self, input_ids, **model_kwargs: None)
+    with pytest.raises(ImportError, match=r"_assisted_decoding.*stopping_criteria.*transformers>=5\.24,<6"):
+        generation._stock_signatures()
+
+
+def test_supported_range_is_the_declared_dependency():
+    from pathlib import Path
+
+    from dspark_hf.generation import SUPPORTED_TRANSFORMERS
+
+    pyproject = (Path(dspark_hf.__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    assert f'"transformers{SUPPORTED_TRANSFORMERS}"' in pyproject
