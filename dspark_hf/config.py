@@ -19,7 +19,8 @@ POSITIVE_INT_FIELDS = (  # DSparkConfig fields that are sizes or counts
 POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
+    """A true integer (``bool`` excluded: ``True`` is not a size)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -104,7 +105,7 @@ class DSparkConfig(PreTrainedConfig):
         self.hidden_size = hidden_size
         self.target_num_layers = target_num_layers
         if target_layer_ids is None:  # only None means "default": an empty list is an error (see _check)
-            target_layer_ids = spread_layer_ids(target_num_layers, 4) if _is_int(target_num_layers) else []
+            target_layer_ids = spread_layer_ids(target_num_layers, 4) if is_int(target_num_layers) else []
         self.target_layer_ids = list(target_layer_ids)
         self.num_hidden_layers = num_hidden_layers
         self.num_attention_heads = num_attention_heads
@@ -129,7 +130,7 @@ class DSparkConfig(PreTrainedConfig):
         """Validate every field where it enters (``__init__``, ``from_pretrained``), naming the field."""
         for name in POSITIVE_INT_FIELDS:
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even (rotary embeddings rotate pairs of dimensions), got {self.head_dim}")
@@ -140,7 +141,7 @@ class DSparkConfig(PreTrainedConfig):
             raise ValueError(f"num_key_value_heads ({self.num_key_value_heads}) must divide num_attention_heads "
                              f"({self.num_attention_heads}) for grouped-query attention")
         if self.draft_vocab_size is not None and (
-                not _is_int(self.draft_vocab_size) or not 1 <= self.draft_vocab_size <= self.vocab_size):
+                not is_int(self.draft_vocab_size) or not 1 <= self.draft_vocab_size <= self.vocab_size):
             raise ValueError(f"draft_vocab_size must be None (the full vocabulary) or an integer in 1..vocab_size "
                              f"({self.vocab_size}), got {self.draft_vocab_size!r}")
         for name in POSITIVE_FLOAT_FIELDS:
@@ -160,7 +161,7 @@ class DSparkConfig(PreTrainedConfig):
         if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"block_size (γ) must be in 1..{MAX_BLOCK_SIZE}, got {self.block_size}")
         ids = self.target_layer_ids
-        if not ids or any(not _is_int(i) for i in ids) or len(set(ids)) != len(ids):
+        if not ids or any(not is_int(i) for i in ids) or len(set(ids)) != len(ids):
             raise ValueError(f"target_layer_ids must be a non-empty list of distinct layer indices, got {ids!r} "
                              "(pass None for the default spread)")
         if any(not 0 <= i < self.target_num_layers for i in ids):

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -43,7 +42,7 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerationMixin, GenerationMode
 
 from .calibration import SequentialTemperatureScaling
-from .config import MAX_BLOCK_SIZE, SCHEDULED_MODES, VERIFICATION_MODES, DSparkConfig
+from .config import MAX_BLOCK_SIZE, SCHEDULED_MODES, VERIFICATION_MODES, DSparkConfig, is_int
 from .kernels import is_prepacked, prepack_linears
 from .model import DSparkDrafter
 from .profiling import load_or_profile_sps
@@ -267,10 +266,6 @@ class DSparkCandidateGenerator(CandidateGenerator):
 DSPARK_GENERATE_KWARGS = ("dspark_block_size", "dspark_verification", "dspark_threshold")
 
 
-def _is_integer(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def call_block_size(generation_config, default: int) -> int:
     """γ of one ``generate`` call: ``dspark_block_size``, else ``num_assistant_tokens``, else ``default``.
 
@@ -289,7 +284,7 @@ def call_block_size(generation_config, default: int) -> int:
         raise ValueError(f"dspark_block_size={gamma} and num_assistant_tokens={assistant_tokens} disagree: "
                          "pass one of them (both set γ, the drafts per round).")
     gamma = next((g for g in (gamma, assistant_tokens) if g is not None), default)
-    if not _is_integer(gamma) or not 1 <= gamma <= MAX_BLOCK_SIZE:
+    if not is_int(gamma) or not 1 <= gamma <= MAX_BLOCK_SIZE:
         raise ValueError(f"dspark_block_size (γ) must be an integer in 1..{MAX_BLOCK_SIZE}, got {gamma!r}")
     return int(gamma)
 
