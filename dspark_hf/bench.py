@@ -9,9 +9,11 @@ What is measured (paper §4; symbols as in :mod:`dspark_hf.calibration`):
 3. Confidence: ECE of the prefix survival a_k before / after STS, ROC-AUC of c_k per position, and a
    static threshold sweep replayed offline on the recorded fixed rounds (Fig. 5).
 4. Wall clock, greedy: tokens/s and speedup over plain ``generate`` of plain, prompt lookup, the
-   built-in ``speculation_type="dflash"`` path (parallel drafters, through :class:`BuiltinDFlashAdapter`)
-   and every drafter's verification modes; methods interleaved prompt by prompt, every greedy
-   speculative output checked token-identical to plain ``generate``.
+   built-in ``speculation_type="dflash"`` path (parallel drafters, through :class:`BuiltinDFlashAdapter`),
+   every drafter's verification modes and each calibrated drafter's hybrid with prompt lookup
+   (``<drafter>:<mode>+lookup``, :mod:`dspark_hf.lookup`); methods interleaved prompt by prompt, every greedy
+   speculative output checked token-identical to plain ``generate``, and the share of each method's tokens that
+   came from lookup, DSpark and the target reported.
 5. The machine's SPS curve and each drafter's cost per round (median draft ms vs verify ms).
 
 Layout: suites (prompt sources) -> pure metrics -> runner -> report (JSON, Markdown, PNG). The runner
@@ -29,8 +31,8 @@ train/validation/calibration) minus the math ones; ``math`` = the held-out Share
 :func:`is_math_problem` accepts; ``custom`` = a JSONL file of ``{"prompt": ...}`` lines.
 
 Budget of the defaults (``BenchSettings``: 4 prompts per suite, 96 new tokens, three drafters) on a 2-core
-CPU where plain greedy runs at ~20 tok/s: 3 + 10 (+ 3) generations per prompt, 12 prompts x ~13
-generations x ~5 s ≈ 12-15 min. ``--limit N`` is a quick run at 32 new tokens (see :func:`settings_from_args`).
+CPU where plain greedy runs at ~20 tok/s: 3 + 12 (+ 3) generations per prompt (two of them the ``+lookup``
+hybrids), 12 prompts x ~15 generations x ~5 s ≈ 14-17 min. ``--limit N`` is a quick run at 32 new tokens (see :func:`settings_from_args`).
 """
 
 from __future__ import annotations
@@ -60,29 +62,6 @@ DEFAULT_THRESHOLDS = tuple(round(0.1 * i, 1) for i in range(10))  # 0, 0.1, ...,
 SCHEMA_VERSION = 1
 
 # ------------------------------------------------------------------------------------------ suites
-# Math filter (documented, deliberately simple): a math keyword or an arithmetic expression in the first
-# 400 characters, at most 1000 characters long, and no sign of code or of a writing/role-play task.
-MATH_PATTERN = re.compile(
-    r"\b(solve|equations?|integrals?|derivatives?|probability|algebra|calculus|geometry|theorem|arithmetic|"
-    r"fractions?|factorial|prime numbers?|square roots?|irrational|circumference|math(s|ematics|ematical)?|"
-    r"how many|how much)\b"
-    r"|(?<![\w.])\d+(\.\d+)?\s*[+*×÷^=]\s*\(?\d"  # 2*(5/4), 3 + 4, x = 2 (not chess "Re1+ 14")
-    r"|\d\s+[-/]\s+\d",  # 7 - 3, 8 / 2 (not ranges like 5-9 or dates like 2023/24)
-    re.IGNORECASE,
-)
-NOT_MATH_PATTERN = re.compile(
-    r"```|\b(import|def|function|class|code|program\w*|api|udf|python|java(script)?|sql|go)\b"
-    r"|^\s*(write|act as|you are|pretend|please write|here is)\b",
-    re.IGNORECASE,
-)
-MATH_MAX_CHARS = 1000
-
-
-def is_math_problem(text: str) -> bool:
-    """Whether a ShareGPT opening turn reads like a math question (see ``MATH_PATTERN``)."""
-    return len(text) <= MATH_MAX_CHARS and bool(MATH_PATTERN.search(text[:400])) and not NOT_MATH_PATTERN.search(text)
-
-
 def read_prompts_file(path: str | os.PathLike) -> list[tuple[str, str]]:
     """``(id, prompt)`` pairs of a JSONL file with one ``{"prompt": ...}`` object per line (``id`` optional).
 
@@ -106,7 +85,7 @@ def suite_texts(names: Sequence[str], prompts_file: str | None = None) -> dict[s
     Raises:
         ValueError: an unknown suite, or ``custom`` without ``prompts_file``.
     """
-    from .data import humaneval_prompts, sharegpt_prompts
+    from .data import humaneval_prompts, is_math_problem, sharegpt_prompts
 
     unknown = set(names) - {*SUITES, "custom"}
     if unknown:
@@ -241,7 +220,7 @@ def full_rounds(stats_list, gamma: int) -> tuple[list[int], list[list[float]]]:
     accepted, confidences = [], []
     for stats in stats_list:
         for r in stats.rounds[:-1]:
-            if r.drafted == r.scheduled == gamma:
+            if r.drafted == r.scheduled == gamma and not r.lookup:  # lookup tokens are not the drafter's
                 accepted.append(r.accepted)
                 if r.confidences:
                     confidences.append(list(r.confidences))
@@ -290,9 +269,9 @@ class BuiltinDFlashAdapter(torch.nn.Module):
     declares ``block_size = γ + 1`` and returns ``[h_1, h_1, ..., h_γ]`` (slot 0 is never read). What differs
     from the drafter's own path, by construction of the built-in one:
 
-    * the mask slots use the drafter's learned mask embedding, not the target's embedding of
-      ``mask_token_id`` (SmolLM2 has no mask token; ``mask_token_id = 0`` is a placeholder the adapter
-      never reads);
+    * the mask slots use the drafter's :meth:`~dspark_hf.model.DSparkDrafter.mask_vector` (v2: the target's
+      embedding of ``mask_token_id``, as the built-in path; v1: the learned mask embedding, with
+      ``mask_token_id = 0`` a placeholder the adapter never reads);
     * logits come from the target's FULL lm_head, so a restricted draft vocabulary is not enforced;
     * the context K/V live in the drafter's own :class:`~dspark_hf.model.DraftContext` (reset whenever the
       generator brings a new ``DFlashCache``, i.e. per ``generate`` call), which holds accepted positions
@@ -310,12 +289,13 @@ class BuiltinDFlashAdapter(torch.nn.Module):
         self.drafter = drafter
         self.config = copy.deepcopy(drafter.config)
         self.config.block_size = gamma + 1  # anchor slot + γ draft slots
-        self.config.mask_token_id = 0  # placeholder: the mask slots use drafter.mask_embedding
+        if self.config.mask_token_id is None:  # v1: a placeholder, the mask slots use drafter.mask_vector()
+            self.config.mask_token_id = 0
         self._cache, self._context, self.rounds = None, None, 0
 
     @property
     def device(self) -> torch.device:
-        return self.drafter.mask_embedding.device
+        return self.drafter.context_proj.weight.device
 
     @torch.no_grad()
     def forward(self, noise_embeds, context_hidden_states, position_ids, attention_mask=None, cache=None, **kwargs):
@@ -326,15 +306,15 @@ class BuiltinDFlashAdapter(torch.nn.Module):
         if cache is None or cache is not self._cache:  # a new generate call
             self._cache, self._context, self.rounds = cache, self.drafter.new_context(), 0
         context = self._context
-        self.drafter.extend_context(context, context_hidden_states.to(self.drafter.mask_embedding.dtype))
+        self.drafter.extend_context(context, context_hidden_states.to(self.drafter.context_proj.weight.dtype))
         gamma = noise_embeds.shape[1] - 1
         anchor_position = int(position_ids[0, -(gamma + 1)])
         if anchor_position != context.length:
             raise RuntimeError(f"built-in DFlash positions out of step: anchor at {anchor_position}, "
                                f"drafter context holds {context.length} positions")
         d = noise_embeds.shape[-1]
-        block = torch.cat([noise_embeds[:, :1].to(self.drafter.mask_embedding.dtype),
-                           self.drafter.mask_embedding.expand(1, gamma - 1, d)], dim=1)  # (1, γ, d)
+        mask = self.drafter.mask_vector()
+        block = torch.cat([noise_embeds[:, :1].to(mask.dtype), mask.expand(1, gamma - 1, d)], dim=1)  # (1, γ, d)
         positions = torch.arange(context.length, context.length + gamma, device=block.device)[None]  # (1, γ)
         hidden = self.drafter.backbone(block, positions, context.layers)  # (1, γ, d)
         self.rounds += 1
@@ -393,8 +373,20 @@ def modes_of(drafter) -> list[str]:
     return ["fixed", "threshold", "scheduler", "async"] if drafter.confidence is not None else ["fixed"]
 
 
+def lookup_mode_of(drafter, gamma: int) -> str | None:
+    """Verification mode of a drafter's hybrid method (``dspark_lookup=True``, :mod:`dspark_hf.lookup`): its
+    config's mode when that is a scheduled one, else ``"async"``; ``None`` without calibrated confidences for γ."""
+    from .config import SCHEDULED_MODES
+
+    calibration = drafter.calibration
+    if drafter.confidence is None or calibration is None or len(calibration.temperatures) < gamma:
+        return None
+    return drafter.config.verification if drafter.config.verification in SCHEDULED_MODES else "async"
+
+
 def plan_methods(drafters: dict, adapters: dict, settings: BenchSettings) -> list[Method]:
-    """Pass-2 methods: plain, prompt lookup, built-in DFlash, then every drafter's modes but ``threshold``.
+    """Pass-2 methods: plain, prompt lookup, built-in DFlash, then every drafter's modes but ``threshold``, and
+    its hybrid with prompt lookup ``<drafter>:<mode>+lookup`` (see :func:`lookup_mode_of`).
 
     The threshold mode needs the best t of the sweep over pass 2's fixed rounds: see :func:`threshold_methods`.
     """
@@ -408,6 +400,10 @@ def plan_methods(drafters: dict, adapters: dict, settings: BenchSettings) -> lis
             if mode != "threshold":
                 methods.append(Method(f"{name}:{mode}", name,
                                       {"dspark_verification": mode, "dspark_block_size": settings.gamma}))
+        mode = lookup_mode_of(drafter, settings.gamma)
+        if mode is not None:
+            methods.append(Method(f"{name}:{mode}+lookup", name, {
+                "dspark_verification": mode, "dspark_block_size": settings.gamma, "dspark_lookup": True}))
     return methods
 
 
@@ -531,12 +527,15 @@ def summarize_wall_clock(records: dict, methods: list[Method], log=_log_default)
                 })
             plain_median = median([p["runs"]["plain"].tokens_per_s for p in prompts])
             tps = median([r["tokens_per_s"] for r in rows])
+            stats = [p["runs"][method.name].stats for p in prompts if p["runs"][method.name].stats is not None]
             per_method[method.name] = {
                 "median_tokens_per_s": tps,
                 "median_speedup": median([r["speedup"] for r in rows]),  # median of per-prompt ratios
                 "speedup_of_medians": tps / plain_median if tps and plain_median else None,
                 "tau": pooled_tau(rows),
                 "mismatches": sum(not r["identical"] for r in rows),
+                "token_sources": {k: sum(st.token_sources()[k] for st in stats) for k in ("lookup", "dspark", "target")}
+                if stats else None,
                 "per_prompt": rows,
             }
         summary[suite] = per_method
@@ -670,6 +669,7 @@ def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps
     Returns:
         ``(result, raw)``: the JSON-ready result and the raw records the plots need.
     """
+    from . import data
     from .kernels import linear_kernels
     from .profiling import load_or_profile_sps
 
@@ -716,8 +716,8 @@ def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps
         "schema_version": SCHEMA_VERSION,
         "machine": {**machine_info(command), "linear_kernels": linear_kernels(target)},
         "settings": {**asdict(settings), "thresholds": list(settings.thresholds),
-                     "math_filter": {"keywords_or_arithmetic": MATH_PATTERN.pattern, "excluded": NOT_MATH_PATTERN.pattern,
-                                     "max_chars": MATH_MAX_CHARS}},
+                     "math_filter": {"keywords_or_arithmetic": data.MATH_PATTERN.pattern, "excluded": data.NOT_MATH_PATTERN.pattern,
+                                     "max_chars": data.MATH_MAX_CHARS}},
         "suites": {s: {"n_prompts": len(p), "ids": [i for i, _ in p], "prompt_tokens": [len(x) for _, x in p]}
                    for s, p in suites.items()},
         "drafters": {n: describe_drafter(d) for n, d in drafters.items()},
@@ -867,6 +867,14 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
     return "\n".join(lines)
 
 
+def _sources(counts: dict | None) -> str:
+    """``"lookup / dspark / target"`` shares of a method's tokens in percent (``–`` for methods without rounds)."""
+    total = sum(counts.values()) if counts else 0
+    if not total:
+        return "–"
+    return " / ".join(f"{100 * counts[k] / total:.0f}%" for k in ("lookup", "dspark", "target"))
+
+
 def markdown_report(result: dict) -> str:
     """The tables of ``benchmarks.md``."""
     m, s = result["machine"], result["settings"]
@@ -931,10 +939,10 @@ def markdown_report(result: dict) -> str:
     out += ["## Wall clock (greedy; methods interleaved per prompt)", "",
             f"Greedy outputs differing from plain `generate`: **{wall['mismatches_total']}**", ""]
     for suite, per_method in wall["suites"].items():
-        rows = [[name, v["median_tokens_per_s"], v["median_speedup"], v["speedup_of_medians"], v["tau"], v["mismatches"]]
-                for name, v in per_method.items()]
-        out += [f"**{suite}**", "", _table(["method", "median tok/s", "median per-prompt speedup",
-                                            "speedup of medians", "τ", "mismatches"], rows), ""]
+        rows = [[name, v["median_tokens_per_s"], v["median_speedup"], v["speedup_of_medians"], v["tau"],
+                 _sources(v.get("token_sources")), v["mismatches"]] for name, v in per_method.items()]
+        out += [f"**{suite}**", "", _table(["method", "median tok/s", "median per-prompt speedup", "speedup of medians",
+                                            "τ", "tokens from lookup / DSpark / target", "mismatches"], rows), ""]
     b = result["builtin_dflash"]
     out += [f"Built-in `speculation_type=\"dflash\"`: {b['status']}. {b['note']}", ""]
 

@@ -128,7 +128,7 @@ def cmd_generate(args):
     target, tokenizer, drafter = _load(args)
     prompt_ids = chat_ids(tokenizer, args.prompt)
     check_prompt_fits(len(prompt_ids), args.max_new_tokens, target)
-    settings = {"dspark_verification": args.verify, "dspark_block_size": args.gamma}
+    settings = {"dspark_verification": args.verify, "dspark_block_size": args.gamma, "dspark_lookup": args.lookup or None}
     settings = {k: v for k, v in settings.items() if v is not None}
     streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     try:  # DSpark's per-call checks (γ beyond the calibration, a mode the drafter lacks) raise before any compute
@@ -144,6 +144,7 @@ def cmd_generate(args):
         "rounds": len(run.stats.rounds),
         "tau": run.stats.tau,
         "tokens_per_s": run.tokens_per_s,
+        "sources": run.stats.token_sources(),
     }
     if args.compare:
         base = timed_generate(target, prompt_ids, args.max_new_tokens, args.temperature)
@@ -178,15 +179,37 @@ def cmd_train(args):
     from .training import TrainConfig, train
 
     cfg = TrainConfig.from_yaml(args.config)
+    if args.export_tokens:
+        from .data import export_tokens
+
+        if not cfg.tokens_file:
+            sys.exit(f"--export-tokens writes the config's tokens_file, and {args.config} sets none.")
+        print(f"{export_tokens(cfg.data_dir, cfg.tokens_file)} rows of {cfg.data_dir} written to {cfg.tokens_file}")
+        return
+    if cfg.threads:  # regeneration and training alike: pinned threads hold up when the machine is shared
+        import torch
+
+        torch.set_num_threads(cfg.threads)
     target, tokenizer = load_target(args.target)
     from .config import spread_layer_ids
 
     layers = spread_layer_ids(target.config.num_hidden_layers, cfg.num_context_layers)
     prepare_data(target, tokenizer, cfg.data_dir, layers, cfg.target_tokens, cfg.gen_batch_size,
-                 max_new_tokens=cfg.max_new_tokens)
+                 max_new_tokens=cfg.max_new_tokens, worker=args.worker, tokens_file=cfg.tokens_file)
     if args.prepare_only:
         return
     print(f"drafter saved to {train(target, cfg, command=f'dspark train --config {args.config}')}")
+
+
+def _worker(text: str) -> tuple[int, int]:
+    """``"K/N"`` -> ``(K, N)`` with ``0 <= K < N``."""
+    try:
+        index, workers = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--worker takes K/N (e.g. 0/2), got {text!r}") from None
+    if not 0 <= index < workers:
+        raise argparse.ArgumentTypeError(f"--worker K/N needs 0 <= K < N, got {text!r}")
+    return index, workers
 
 
 def cmd_calibrate(args):
@@ -232,6 +255,8 @@ def main(argv=None):
     p.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy; > 0 samples at that temperature")
     p.add_argument("--gamma", type=_int_in(1, MAX_BLOCK_SIZE), default=None, help=GAMMA_HELP)
     p.add_argument("--verify", choices=VERIFICATION_MODES, default=None, help="verification mode (default: the drafter's config.verification)")
+    p.add_argument("--lookup", action="store_true",
+                   help="also draft n-gram continuations from the prompt and the text (dspark_lookup=True)")
     p.add_argument("--compare", action="store_true", help="also run plain generate and report the speedup")
     p.add_argument("--json", action="store_true")
 
@@ -244,6 +269,10 @@ def main(argv=None):
     p = command("train", cmd_train, "regenerate data with the target and train a drafter")
     p.add_argument("--config", default=str(DEFAULT_TRAIN_CONFIG))
     p.add_argument("--prepare-only", action="store_true", help="only generate and cache the training data")
+    p.add_argument("--export-tokens", action="store_true",
+                   help="write the token ids of data_dir's shards to the config's tokens_file (to commit) and exit")
+    p.add_argument("--worker", type=_worker, default=(0, 1), metavar="K/N",
+                   help="regenerate only shards i with i %% N == K, so N processes can share the work (default 0/1)")
 
     p = command("calibrate", cmd_calibrate, "fit Sequential Temperature Scaling on calibration rounds", drafter=True)
     p.add_argument("--prompts", type=_int_in(1), default=40)

@@ -14,6 +14,7 @@ complete shard. The split (train / validation / calibration / test) is fixed per
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import re
@@ -41,6 +42,45 @@ def split_of(record_id: str) -> str:
         if bucket < upper:
             return name
     return "train"
+
+
+# Math filter (documented, deliberately simple): a math keyword or an arithmetic expression in the first
+# 400 characters, at most 1000 characters long, and no sign of code or of a writing/role-play task.
+MATH_PATTERN = re.compile(
+    r"\b(solve|equations?|integrals?|derivatives?|probability|algebra|calculus|geometry|theorem|arithmetic|"
+    r"fractions?|factorial|prime numbers?|square roots?|irrational|circumference|math(s|ematics|ematical)?|"
+    r"how many|how much)\b"
+    r"|(?<![\w.])\d+(\.\d+)?\s*[+*×÷^=]\s*\(?\d"  # 2*(5/4), 3 + 4, x = 2 (not chess "Re1+ 14")
+    r"|\d\s+[-/]\s+\d",  # 7 - 3, 8 / 2 (not ranges like 5-9 or dates like 2023/24)
+    re.IGNORECASE,
+)
+NOT_MATH_PATTERN = re.compile(
+    r"```|\b(import|def|function|class|code|program\w*|api|udf|python|java(script)?|sql|go)\b"
+    r"|^\s*(write|act as|you are|pretend|please write|here is)\b",
+    re.IGNORECASE,
+)
+MATH_MAX_CHARS = 1000
+
+
+def is_math_problem(text: str) -> bool:
+    """Whether a ShareGPT opening turn reads like a math question (see ``MATH_PATTERN``)."""
+    return len(text) <= MATH_MAX_CHARS and bool(MATH_PATTERN.search(text[:400])) and not NOT_MATH_PATTERN.search(text)
+
+
+# Code filter (as simple as the math one): a fence, or a programming keyword or language name.
+CODE_PATTERN = re.compile(
+    r"```|\b(def|class|import|function|const|return|python|javascript|typescript|java|c\+\+|c#|sql|html|css|react|"
+    r"node(js)?|api|code|script|regex|bash|linux|git|json|program\w*|algorithm)\b",
+    re.IGNORECASE,
+)
+PROMPT_MIX = {"chat": 0.5, "code": 0.4, "math": 0.1}  # share of each category at the head of the regeneration queue
+
+
+def prompt_category(text: str) -> str:
+    """``"math"``, ``"code"`` or ``"chat"`` for a ShareGPT opening turn (math first: see ``MATH_PATTERN``)."""
+    if is_math_problem(text):
+        return "math"
+    return "code" if CODE_PATTERN.search(text) else "chat"
 
 
 def load_sharegpt() -> list[dict]:
@@ -162,6 +202,55 @@ def generate_batch(target, tokenizer, prompts: list[list[int]], layer_ids, topk,
     return rows
 
 
+@torch.inference_mode()
+def featurize_batch(target, rows: list[dict], layer_ids, topk) -> list[dict]:
+    """Recompute the training signals of already regenerated rows with one forward pass (no generation).
+
+    ``rows`` hold ``input_ids`` (prompt + response) and ``prompt_len``, as :func:`export_tokens` writes them.
+    Returns dicts shaped as :func:`generate_batch`'s: ``features`` ``[n - 1, m * d]`` fp16 and ``topk_ids`` /
+    ``topk_probs`` ``[n - prompt_len - 1, K]``. A prefill costs a fraction of the token-by-token regeneration,
+    so a committed token file (see :func:`export_tokens`) rebuilds a dataset on a fresh machine cheaply.
+    """
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = torch.tensor([list(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in rows])
+    mask = torch.tensor([[1] * len(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in rows])
+    out = target(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    features = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.float16)  # [B, width, m*d]
+    result = []
+    for b, row in enumerate(rows):
+        n, p = len(row["input_ids"]), int(row["prompt_len"])
+        probs, top = out.logits[b, p : n - 1].float().softmax(-1).topk(topk, dim=-1)  # [n - p - 1, K]
+        result.append(dict(input_ids=list(row["input_ids"]), prompt_len=p, features=features[b, : n - 1].numpy(),
+                           topk_ids=top.to(torch.int32).numpy(), topk_probs=probs.to(torch.float16).numpy()))
+    return result
+
+
+def export_tokens(data_dir: str | Path, path: str | Path) -> int:
+    """Write the token ids of every shard under ``data_dir`` to ``path`` (JSON lines, gzip); returns the row count.
+
+    One line per row: ``shard``, ``record_id``, ``split``, ``prompt_len``, ``input_ids``. The file is small
+    (~1 MB per 300k response tokens) and can be committed, so the regeneration's CPU hours survive a machine.
+    """
+    lines = []
+    for shard_dir in sorted(Path(data_dir).glob("shard-*")):
+        shard = int(shard_dir.name.removeprefix("shard-"))
+        ds = datasets.load_from_disk(str(shard_dir)).select_columns(["record_id", "split", "prompt_len", "input_ids"])
+        lines += [json.dumps({"shard": shard, **row}) for row in ds]
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join(lines) + "\n")
+    return len(lines)
+
+
+def read_tokens(path: str | Path) -> dict[int, list[dict]]:
+    """``{shard: [row, ...]}`` from a file written by :func:`export_tokens`."""
+    shards: dict[int, list[dict]] = {}
+    with gzip.open(path, "rt") as f:
+        for line in f:
+            row = json.loads(line)
+            shards.setdefault(row.pop("shard"), []).append(row)
+    return shards
+
+
 def _as_list(value) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
@@ -179,15 +268,28 @@ def shard_features(width: int, topk: int) -> datasets.Features:
     )
 
 
-def sharegpt_queue(tokenizer, splits=("train", "validation"), max_prompt_tokens: int = 320) -> list[tuple]:
-    """``(record_id, split, prompt_ids)`` of the chat-formatted first turns of ``splits``, splits interleaved."""
-    queue = []
+def sharegpt_queue(tokenizer, splits=("train", "validation"), max_prompt_tokens: int = 320,
+                   mix: dict[str, float] | None = None) -> list[tuple]:
+    """``(record_id, split, prompt_ids)`` of the chat-formatted first turns of ``splits``, in a fixed order.
+
+    Held-out splits come first (they are small), so that training has a validation set from its first shard.
+    The rest is grouped by :func:`prompt_category` and interleaved in the proportions of ``mix`` (default
+    :data:`PROMPT_MIX`) until a category runs out, so that a regeneration stopped early still holds a real
+    share of code and math; within a category the order is a hash of the record id.
+    """
+    mix = PROMPT_MIX if mix is None else mix
+    groups: dict[str, list[tuple]] = {name: [] for name in mix}
     for split in splits:
         for record_id, prompt in sharegpt_prompts(split):
             ids = chat_ids(tokenizer, prompt)
-            if len(ids) <= max_prompt_tokens:
-                queue.append((record_id, split, ids))
-    return sorted(queue, key=lambda item: int(hashlib.sha1(item[0].encode()).hexdigest(), 16))
+            category = prompt_category(prompt)
+            if len(ids) <= max_prompt_tokens and category in groups:
+                groups[category].append((record_id, split, ids))
+    by_hash = lambda item: int(hashlib.sha1(item[0].encode()).hexdigest(), 16)  # noqa: E731
+    keyed = [((i + 1) / mix[name], name, item) for name, items in groups.items()
+             for i, item in enumerate(sorted(items, key=by_hash))]
+    mixed = [item for _, _, item in sorted(keyed, key=lambda k: (k[0], k[1]))]
+    return [item for item in mixed if item[1] != "train"] + [item for item in mixed if item[1] == "train"]
 
 
 def prepare_data(
@@ -201,31 +303,45 @@ def prepare_data(
     topk: int = 32,
     sampling: dict | None = None,
     queue: list[tuple] | None = None,
+    worker: tuple[int, int] = (0, 1),
+    tokens_file: str | Path | None = None,
 ) -> Path:
     """Regenerate responses with the target and cache the drafter's training signals, resumably.
 
     Args:
         queue: ``(record_id, split, prompt_ids)`` to answer, in order; default :func:`sharegpt_queue`.
         sampling: ``generate`` sampling kwargs (default T=0.2, top-p 0.9, SmolLM2's recommendation).
+        tokens_file: a file of :func:`export_tokens`; its shards are rebuilt by :func:`featurize_batch`
+            (one forward pass) instead of being regenerated.
 
-    Stops once ``target_tokens`` response tokens are stored; a rerun resumes after the last
-    complete shard (same queue, same batch size). Returns ``out_dir``.
+    Shard ``i`` answers prompts ``i * batch_size ...`` of the queue. ``worker=(k, n)`` makes only the shards
+    with ``i % n == k``, so ``n`` processes (one thread each) can regenerate side by side. Stops once
+    ``target_tokens`` response tokens are stored (counting what this worker sees: the shards present at its
+    start plus its own); a rerun skips every complete shard (same queue, same batch size). Returns ``out_dir``.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     sampling = sampling or dict(do_sample=True, temperature=0.2, top_p=0.9)
     queue = sharegpt_queue(tokenizer) if queue is None else queue
-    done = sorted(out_dir.glob("shard-*"))
-    stored = sum(sum(len(x) - p for x, p in zip(*_lengths(d))) for d in done)
-    start = len(done) * batch_size
+    done = {int(d.name.removeprefix("shard-")) for d in out_dir.glob("shard-*")}
+    stored = sum(sum(len(x) - p for x, p in zip(*_lengths(d))) for d in out_dir.glob("shard-*"))
+    index, workers = worker
+    known = read_tokens(tokens_file) if tokens_file is not None and Path(tokens_file).is_file() else {}
     bar = tqdm(total=target_tokens, initial=stored, desc="response tokens", unit="tok")
-    torch.manual_seed(len(done))
-    for shard in range(len(done), (len(queue) + batch_size - 1) // batch_size):
+    n_shards = max((len(queue) + batch_size - 1) // batch_size, max(known, default=-1) + 1)
+    for shard in range(n_shards):
+        if shard in done or shard % workers != index:
+            continue
         if stored >= target_tokens:
             break
-        batch = queue[start : start + batch_size]
-        start += batch_size
-        rows = generate_batch(target, tokenizer, [ids for _, _, ids in batch], layer_ids, topk, max_new_tokens, sampling)
+        torch.manual_seed(shard)  # a shard draws the same samples whichever worker makes it, whenever
+        if shard in known:
+            batch = [(r["record_id"], r["split"], None) for r in known[shard]]
+            chunks = [known[shard][i : i + 4] for i in range(0, len(batch), 4)]  # 4 rows a forward: bounded logits
+            rows = [row for chunk in chunks for row in featurize_batch(target, chunk, layer_ids, topk)]
+        else:
+            batch = queue[shard * batch_size : (shard + 1) * batch_size]
+            rows = generate_batch(target, tokenizer, [ids for _, _, ids in batch], layer_ids, topk, max_new_tokens, sampling)
         columns = {k: [] for k in shard_features(1, 1)}
         for (record_id, split, _), row in zip(batch, rows):
             if row is None:

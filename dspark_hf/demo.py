@@ -37,11 +37,12 @@ from .config import MAX_BLOCK_SIZE, SCHEDULED_MODES, VERIFICATION_MODES
 from .data import chat_ids
 
 # span kinds: text tokens, then the drafts that never made it into the text ("ghosts")
-DRAFT, BONUS, CORRECTION, TARGET, PLAIN = "draft", "bonus", "correction", "target", "plain"
+DRAFT, LOOKUP, BONUS, CORRECTION, TARGET, PLAIN = "draft", "lookup", "bonus", "correction", "target", "plain"
 REJECTED, PRUNED = "rejected", "pruned"
 
 LEGEND = (
     (DRAFT, "accepted draft", "drafted by DSpark, verified and accepted by the target"),
+    (LOOKUP, "accepted lookup", "copied by prompt lookup (dspark_lookup) from the prompt or the text so far, accepted"),
     (BONUS, "target: bonus", "the target's own token after every scheduled draft was accepted"),
     (CORRECTION, "target: correction", "the target's token replacing the first rejected draft"),
     (TARGET, "target step", "a step with no drafts (the prefill step, or no room left to draft)"),
@@ -55,6 +56,7 @@ CSS = """
   border: 1px solid #d0d4da; border-radius: 6px; background: #fff; color: #111; }
 .dspark-tokens .tok { border-radius: 3px; padding: 1px 0; }
 .tok-draft { background: #b7ebc0; }
+.tok-lookup { background: #f3e38a; }
 .tok-bonus { background: #b9d4ff; }
 .tok-correction { background: #ffc98f; }
 .tok-target { background: #dcdff5; }
@@ -80,7 +82,8 @@ class RoundView:
     """What the demo knows about one speculative round (a copy taken when its chunk is streamed).
 
     ``accepted`` counts accepted drafts (bonus excluded); ``draft_tokens`` are the γ drafted ids when
-    :class:`~dspark_hf.generation.RoundStats` provides them, else ``None``.
+    :class:`~dspark_hf.generation.RoundStats` provides them, else ``None``; the first ``lookup`` drafts came
+    from prompt lookup (``dspark_lookup=True``).
     """
 
     index: int
@@ -90,6 +93,7 @@ class RoundView:
     confidences: list[float]
     draft_tokens: list[int] | None
     stats: object = None  # the live RoundStats (its draft_ms / verify_ms are final after the round)
+    lookup: int = 0
 
 
 def split_chunk(chunk: list[int], round_stats) -> tuple[int, list[int] | None]:
@@ -144,7 +148,8 @@ class RoundStreamer(BaseStreamer):
             r = rounds[-1]
             n, drafts = split_chunk(chunk, r)
             view = RoundView(index=len(rounds), drafted=r.drafted, scheduled=r.scheduled, accepted=n,
-                             confidences=list(r.confidences), draft_tokens=drafts, stats=r)
+                             confidences=list(r.confidences), draft_tokens=drafts, stats=r,
+                             lookup=getattr(r, "lookup", 0))
         self._seen = len(rounds)
         self.on_chunk(chunk, view)
 
@@ -211,7 +216,7 @@ class Transcript:
             elif view is None:
                 kind, pos, conf = TARGET, None, None
             elif i < n:
-                kind, pos = DRAFT, i + 1
+                kind, pos = (LOOKUP if i < view.lookup else DRAFT), i + 1
                 conf = view.confidences[i] if i < len(view.confidences) else None
             else:
                 kind, pos, conf = (BONUS if n == view.scheduled else CORRECTION), None, None
@@ -321,8 +326,10 @@ def confidence_curve(rounds: list[RoundView], calibration=None) -> list[dict]:
     earlier draft was accepted (n >= k-1); d_k is accepted iff n >= k. ``calibration`` (an STS) maps
     raw confidences to calibrated ones first (skipped when γ exceeds its fitted positions). Returns rows
     ``{position, value, series, rounds}`` (series ``"acceptance rate"`` and, with a confidence head,
-    ``"confidence c_k"``).
+    ``"confidence c_k"``). Rounds that proposed prompt-lookup tokens are left out (their first drafts are not
+    the drafter's).
     """
+    rounds = [r for r in rounds if not r.lookup]
     sums: dict[int, list[float]] = {}
     gamma = max((len(r.confidences) for r in rounds), default=0)
     if calibration is not None and gamma > len(calibration.temperatures or []):
@@ -372,6 +379,8 @@ def stats_html(run: Transcript | None, baseline: Transcript | None = None, greed
         verified = sum(r.scheduled for r in rounds) / max(sum(r.drafted for r in rounds), 1)
         accepted = sum(r.accepted for r in rounds) / max(sum(r.scheduled for r in rounds), 1)
         cards += [_stat("verified", verified, "verified ℓ/γ"), _stat("acceptance", accepted, "accepted / verified")]
+        if any(r.lookup for r in rounds):
+            cards.append(_stat("from_lookup", sum(min(r.accepted, r.lookup) for r in rounds), "tokens from lookup"))
         if run.seconds is not None:  # timings are final once the generation has ended
             draft = sum(getattr(r.stats, "draft_ms", 0.0) for r in rounds)
             verify = sum(getattr(r.stats, "verify_ms", 0.0) for r in rounds)
@@ -420,6 +429,18 @@ def check_mode(drafter, mode: str) -> str | None:
     if mode in SCHEDULED_MODES and drafter.calibration is None:
         return (f"This drafter has no calibration.json, so {mode!r} verification is unavailable: use 'fixed' or "
                 "'threshold', or fit one with `dspark calibrate`.")
+    return None
+
+
+def check_lookup(drafter, lookup: bool, gamma: int) -> str | None:
+    """Why ``dspark_lookup`` cannot run with this drafter and γ (the message of :func:`~dspark_hf.lookup.lookup_enabled`),
+    or ``None``."""
+    from .lookup import lookup_enabled
+
+    try:
+        lookup_enabled(bool(lookup), drafter, gamma)
+    except ValueError as err:
+        return str(err)
     return None
 
 
@@ -513,7 +534,7 @@ def build_app(target, tokenizer, drafter, *, title: str = "DSpark speculative de
     plot_title = ("calibrated confidence" if drafter.calibration is not None else "raw confidence") + \
         " vs acceptance per draft position (rounds reaching k)"
 
-    def run(prompt, max_new, temperature, gamma, mode, threshold, side_by_side, show_drafts):
+    def run(prompt, max_new, temperature, gamma, mode, threshold, side_by_side, show_drafts, lookup=False):
         """Stream (output, output with ghosts, baseline, stats, plot, status) while generating."""
         greedy = float(temperature) <= 0
         idle = '<div class="dspark-tokens"><i>side-by-side is off</i></div>'
@@ -524,13 +545,15 @@ def build_app(target, tokenizer, drafter, *, title: str = "DSpark speculative de
             base_html = base.render() if base is not None else ("" if side_by_side else idle)
             return shown, full, base_html, stats_html(result, base, greedy), plot, status
 
-        problem = check_mode(drafter, mode) or (None if prompt and prompt.strip() else "Type a prompt first.")
+        problem = (check_mode(drafter, mode) or check_lookup(drafter, lookup, int(gamma))
+                   or (None if prompt and prompt.strip() else "Type a prompt first."))
         if problem:
             yield frame(None, None, _plot_frame([]), f"⚠️ {problem}")
             return
         stop.clear()
         ids = chat_ids(tokenizer, prompt)
-        settings = dict(dspark_block_size=int(gamma), dspark_verification=mode, dspark_threshold=float(threshold))
+        settings = dict(dspark_block_size=int(gamma), dspark_verification=mode, dspark_threshold=float(threshold),
+                        dspark_lookup=bool(lookup))
         status = f"Generating with DSpark ({mode}, γ={int(gamma)})…"
         yield frame(Transcript(tokenizer), None, _plot_frame([]), status)
         last_plot, result = 0.0, None
@@ -582,6 +605,8 @@ def build_app(target, tokenizer, drafter, *, title: str = "DSpark speculative de
                 side = gr.Checkbox(value=False, label="side by side: also run plain generate (speedup)",
                                    elem_id="dspark-side")
                 ghosts = gr.Checkbox(value=True, label="show rejected and unverified drafts", elem_id="dspark-ghosts")
+                lookup = gr.Checkbox(value=False, label="prompt lookup (dspark_lookup): n-gram drafts from the text",
+                                     elem_id="dspark-lookup")
                 gr.Examples([["Write a haiku about the sea."], ["What is 17 * 23? Think step by step."],
                              ["Write a Python function that reverses a string."]], inputs=[prompt])
             with gr.Column(scale=2):
@@ -604,7 +629,7 @@ def build_app(target, tokenizer, drafter, *, title: str = "DSpark speculative de
                                    height=260)
         state = gr.State(None)
         outputs = [output, state, baseline, stats, plot, status]
-        inputs = [prompt, max_new, temperature, gamma, mode, threshold, side, ghosts]
+        inputs = [prompt, max_new, temperature, gamma, mode, threshold, side, ghosts, lookup]
         go.click(run, inputs, outputs, concurrency_limit=1, concurrency_id="generate")
         prompt.submit(run, inputs, outputs, concurrency_limit=1, concurrency_id="generate")
         halt_btn.click(halt, None, None, queue=False)

@@ -10,7 +10,10 @@ Per-call settings (keyword arguments of ``generate``):
 * ``dspark_verification``: ``"scheduler"`` (paper Algorithm 1; the default of a new ``DSparkConfig``), ``"async"`` (paper §5.2: the
   global search without early stop, on confidences that no draft of the block depends on), ``"fixed"`` (verify all γ, the paper's
   Table 1 protocol) or ``"threshold"`` (verify while c_k >= threshold);
-* ``dspark_threshold``: the threshold of ``"threshold"`` mode (default 0.4).
+* ``dspark_threshold``: the threshold of ``"threshold"`` mode (default 0.4);
+* ``dspark_lookup``: ``True`` to also look up n-gram continuations in the prompt and the generated text and
+  propose, each round, a lookup continuation, the DSpark block or a lookup prefix continued by DSpark, by
+  expected throughput (:mod:`dspark_hf.lookup`; default ``False``).
 
 The defaults come from the drafter's config (``block_size``, ``verification``, ``confidence_threshold``).
 transformers' ``num_assistant_tokens`` is honoured as γ (the same meaning); the other assistant options
@@ -44,6 +47,7 @@ from transformers.generation.utils import GenerationMixin, GenerationMode
 from .calibration import SequentialTemperatureScaling
 from .config import MAX_BLOCK_SIZE, SCHEDULED_MODES, VERIFICATION_MODES, DSparkConfig, is_int
 from .kernels import is_prepacked, prepack_linears
+from .lookup import LookupDrafting, lookup_enabled, one_hot_logits
 from .model import DSparkDrafter
 from .profiling import load_or_profile_sps
 from .scheduler import schedule_global, schedule_prefix, threshold_prefix
@@ -56,8 +60,10 @@ class RoundStats:
     The round emitted ``accepted + 1`` tokens (``accepted`` counts the drafts that were emitted: drafts
     the target accepted but that an EOS, the token budget or a stop string cut off are not counted).
     ``draft_tokens`` holds all γ drafted ids: ``[:accepted]`` were accepted, ``[accepted:scheduled]``
-    rejected by the target, ``[scheduled:]`` pruned by the scheduler before verification. A round with
-    ``drafted == 0`` is the last verification when the token budget leaves no room for a draft.
+    rejected by the target, ``[scheduled:]`` pruned by the scheduler before verification. With
+    ``dspark_lookup`` the first ``lookup`` of them are prompt-lookup tokens (all of them in a lookup round,
+    which drafts nothing and has no confidences). A round with ``drafted == 0`` is the last verification
+    when the token budget leaves no room for a draft.
     """
 
     drafted: int
@@ -67,6 +73,7 @@ class RoundStats:
     confidences: list[float] = field(default_factory=list)
     draft_ms: float = 0.0
     verify_ms: float = 0.0
+    lookup: int = 0
 
 
 @dataclass
@@ -97,16 +104,25 @@ class GenerationStats:
         Returns ``(confidences [N, γ], accepted [N])``.
         """
         gamma = max((r.drafted for r in self.rounds), default=0)
-        keep = [r for r in self.rounds[:-1] if r.drafted == r.scheduled == gamma and r.confidences]
+        keep = [r for r in self.rounds[:-1] if r.drafted == r.scheduled == gamma and r.confidences and not r.lookup]
         if not keep:
             return torch.zeros(0, gamma), torch.zeros(0, dtype=torch.long)
         return torch.tensor([r.confidences for r in keep]), torch.tensor([r.accepted for r in keep])
+
+    def token_sources(self) -> dict[str, int]:
+        """Where the tokens of the recorded rounds came from: accepted ``lookup`` drafts, accepted ``dspark``
+        drafts, and the ``target``'s own token of each round (bonus or correction). The prefill's first token and
+        a last step with no room to draft are not rounds."""
+        lookup = sum(min(r.accepted, r.lookup) for r in self.rounds)
+        accepted = sum(r.accepted for r in self.rounds)
+        return dict(lookup=lookup, dspark=accepted - lookup, target=len(self.rounds))
 
     def as_dict(self) -> dict:
         return dict(
             verification=self.verification,
             rounds=len(self.rounds),
             tau=self.tau,
+            sources=self.token_sources(),
             draft_ms=sum(r.draft_ms for r in self.rounds),
             verify_ms=sum(r.verify_ms for r in self.rounds),
             per_round=[r.__dict__ for r in self.rounds],
@@ -125,7 +141,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
     context cache, drafts γ tokens from the anchor (the last token of ``input_ids``), picks a prefix
     length ℓ by the verification mode and returns ``input_ids + drafts[:ℓ]``. With sampling the drafts
     are drawn from the returned (processed) logits, so transformers' speculative sampling is exact;
-    with greedy decoding no logits are returned and the target's argmax decides.
+    with greedy decoding no logits are returned and the target's argmax decides. With ``dspark_lookup=True`` a
+    :class:`~dspark_hf.lookup.LookupDrafting` plans each round first: a prompt-lookup continuation (no drafter
+    pass, one-hot proposal logits), the DSpark block, or lookup tokens forced as the block's first drafts.
 
     Raises:
         ValueError: batch size > 1, an unknown verification mode, a non-``fixed`` mode without a
@@ -148,9 +166,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.mode = _setting(generation_config, "dspark_verification", cfg.verification)
         self.threshold = float(_setting(generation_config, "dspark_threshold", cfg.confidence_threshold))
         self._check_mode()
-        if self.mode in SCHEDULED_MODES and drafter.sps_curve is None:
+        use_lookup = lookup_enabled(_setting(generation_config, "dspark_lookup", False), drafter, self.block_size)
+        if (self.mode in SCHEDULED_MODES or use_lookup) and drafter.sps_curve is None:
             drafter.set_sps_curve(load_or_profile_sps(target))
         self.sps = drafter.sps_curve
+        self.lookup = LookupDrafting(drafter.calibration, self.sps.steps_per_s, MAX_BLOCK_SIZE) if use_lookup else None
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
         self.max_length = generation_config.max_length
@@ -196,21 +216,35 @@ class DSparkCandidateGenerator(CandidateGenerator):
             self._start_verification(RoundStats(drafted=0, scheduled=0))
             return input_ids, None
         start = time.perf_counter()
-        block = self.drafter.draft(
-            self.context, int(input_ids[0, -1]), gamma, self.do_sample, self.logits_processor, input_ids
-        )
-        length = self._prefix_length(block, gamma)  # never looks at a draft's own value (Appendix A)
+        room = self.max_length - input_ids.shape[1] - 1
+        plan = self.lookup.plan(input_ids, gamma, room) if self.lookup is not None else None  # before any drafting
+        if plan is not None and plan.source == "lookup":  # no drafter pass
+            drafts, confidences = torch.tensor(plan.lookup_tokens), None
+            draft_logits = one_hot_logits(drafts, self.drafter.config.vocab_size) if self.do_sample else None
+            scheduled = plan.length
+        else:
+            forced = torch.tensor(plan.lookup_tokens) if plan is not None and plan.source == "hybrid" else None
+            block = self.drafter.draft(
+                self.context, int(input_ids[0, -1]), gamma, self.do_sample, self.logits_processor, input_ids,
+                forced_tokens=forced,
+            )
+            if self.lookup is not None:
+                self.lookup.observe_block(block.confidences)
+            drafts, confidences, draft_logits = block.tokens, block.confidences, block.logits
+            scheduled = plan.length if forced is not None else self._prefix_length(block, gamma)
+        length = scheduled  # never looks at a draft's own value (Appendix A); stop strings act after verification
         self._start_verification(
             RoundStats(
-                drafted=gamma,
+                drafted=drafts.numel(),
                 scheduled=length,
-                draft_tokens=block.tokens.tolist(),
-                confidences=block.confidences.tolist() if block.confidences is not None else [],
+                draft_tokens=drafts.tolist(),
+                confidences=confidences.tolist() if confidences is not None else [],
                 draft_ms=1e3 * (time.perf_counter() - start),
+                lookup=len(plan.lookup_tokens) if plan is not None else 0,
             )
         )
-        candidates = torch.cat([input_ids, block.tokens[:length][None].to(input_ids.device)], dim=-1)
-        logits = block.logits[None, :length] if self.do_sample and length > 0 else None
+        candidates = torch.cat([input_ids, drafts[:length][None].to(input_ids.device)], dim=-1)
+        logits = draft_logits[None, :length] if self.do_sample and length > 0 else None
         return candidates, logits
 
     def _start_verification(self, round_stats: RoundStats):
@@ -225,7 +259,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
             raise RuntimeError("DSpark needs the target's hidden states; the target did not return them.")
         states = model_outputs.hidden_states
         features = torch.cat([states[i + 1][:, :n_new] for i in self.drafter.config.target_layer_ids], dim=-1)
-        self.drafter.extend_context(self.context, features.to(self.drafter.mask_embedding.device))
+        self.drafter.extend_context(self.context, features.to(self.drafter.context_proj.weight.device))
 
     def _prefix_length(self, block, gamma: int) -> int:
         """ℓ in 0..γ by the verification mode (paper §3.2.2 for ``scheduler``, §5.2 for ``async``).
@@ -254,6 +288,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         """Record the number of accepted drafts and the verify time of the round just verified."""
+        if self.lookup is not None:  # score the round's lookup continuation (dspark_hf.lookup)
+            self.lookup.update(input_ids, num_matches)
         if self._verify_start is not None and self.stats.rounds:
             last = self.stats.rounds[-1]
             last.accepted = int(num_matches)
@@ -263,7 +299,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
 
 # ------------------------------------------------------------------------------ per-call settings
-DSPARK_GENERATE_KWARGS = ("dspark_block_size", "dspark_verification", "dspark_threshold")
+DSPARK_GENERATE_KWARGS = ("dspark_block_size", "dspark_verification", "dspark_threshold", "dspark_lookup")
 
 
 def call_block_size(generation_config, default: int) -> int:

@@ -23,7 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["prefix_survival", "schedule_prefix", "schedule_global", "schedule_batch", "threshold_prefix"]
+__all__ = ["expected_throughputs", "prefix_survival", "schedule_prefix", "schedule_global", "schedule_batch",
+           "threshold_prefix"]
 
 
 def _as_tensor(confidences: torch.Tensor | Sequence[float]) -> torch.Tensor:
@@ -121,6 +122,17 @@ def _throughputs(confidences, sps):
     for j, a_j in enumerate(a[: len(table) - 1], start=1):
         tau += a_j
         yield j, a_j, tau * table[j]
+
+
+def expected_throughputs(confidences: torch.Tensor | Sequence[float], sps: Sequence[float]) -> list[float]:
+    """``Θ(ℓ) = (1 + sum_{j<=ℓ} a[j]) · SPS(1 + ℓ)`` for ``ℓ = 0 .. min(γ, len(sps) - 1)`` (paper §3.2.2).
+
+    Args / Raises: as :func:`schedule_prefix`.
+
+    Returns:
+        ``list[float]``: expected accepted tokens per second of verifying the first ``ℓ`` drafts, index ``ℓ``.
+    """
+    return [theta for _, _, theta in _throughputs(confidences, sps)]
 
 
 def schedule_global(confidences: torch.Tensor | Sequence[float], sps: Sequence[float]) -> int:

@@ -42,10 +42,12 @@ class TrainConfig:
     block_size: int = 7
     num_context_layers: int = 4
     draft_vocab_size: int | None = 8192
+    init_from_target_layers: list[int] | None = None  # copy these target decoder layers into the drafter's (one each)
     # data
     target_tokens: int = 300_000
     gen_batch_size: int = 48
     max_new_tokens: int = 192
+    tokens_file: str | None = None  # committed token ids of past regenerations (data.export_tokens): featurized, not regenerated
     # optimisation
     steps: int = 3000
     max_minutes: float = 60.0
@@ -56,7 +58,8 @@ class TrainConfig:
     warmup_steps: int = 100
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    decay: float | None = None  # λ of w_k = exp(-(k-1)/λ); None = block size (paper §3.3)
+    decay: float | None = 4.0  # λ of w_k = exp(-(k-1)/λ): 4 as DeepSpec and speculators; None = block size (paper §3.3)
+    mask_token_id: int | None = None  # v2 mask slots: target token id; None = reserved_mask_token(tokenizer)
     loss_weights: dict = field(default_factory=lambda: {"ce": 0.1, "tv": 0.9, "conf": 1.0})
     seed: int = 0
     eval_every: int = 250
@@ -75,8 +78,12 @@ class TrainConfig:
 
 
 # ------------------------------------------------------------------------------------ losses
-def position_weights(gamma: int, decay: float | None = None) -> torch.Tensor:
-    """``w_k = exp(-(k-1)/λ)`` for k = 1..γ, ``λ = decay or γ`` (paper §3.3). Shape ``[γ]``."""
+def position_weights(gamma: int, decay: float | None = 4.0) -> torch.Tensor:
+    """``w_k = exp(-(k-1)/λ)`` for k = 1..γ (paper §3.3). Shape ``[γ]``.
+
+    ``λ = decay``: 4 by default, as the reference trainers (DeepSpec, speculators); ``None`` gives the
+    paper's ``λ = γ``.
+    """
     lam = float(decay or gamma)
     return torch.exp(-torch.arange(gamma, dtype=torch.float32) / lam)
 
@@ -93,6 +100,13 @@ def tv_distance(draft_probs: torch.Tensor, target_ids: torch.Tensor, target_prob
     Returns:
         ``[...]``: exact L1 on the top-K support, plus ``|rest_d - rest_t|`` for the remaining mass
         (a lower bound of the full L1 that is exact when ``p_t`` is fully inside its top-K).
+
+    Decision (issue #11): the references (DeepSpec, speculators) take the L1 over the FULL target
+    distribution, computed on the fly from the target's logits. dspark-hf trains on cached features
+    and caches only the target's top-32 distribution (a full ``[V]`` row per token would be ~200x
+    larger), so this stays top-K + bound. For a peaked target (top-32 holding almost all the mass)
+    the two agree; otherwise this under-estimates the L1 by at most the draft mass spread over the
+    rest, and c*_k (eq. 8) is biased upward by at most half of that.
     """
     inside = target_ids >= 0
     pd_at = torch.gather(draft_probs, -1, target_ids.clamp(min=0)) * inside
@@ -104,6 +118,10 @@ def tv_distance(draft_probs: torch.Tensor, target_ids: torch.Tensor, target_prob
 
 def dspark_loss(logits, confidence_logits, labels, target_ids, target_probs, valid, weights, loss_weights):
     """Paper eq. 12: ``α_ce L_ce + α_tv L_tv + α_conf L_conf``, each position-weighted by ``w_k``.
+
+    Each term is normalised per weighted token, as the reference trainers: ``Σ w_k ℓ_k / Σ w_k`` over
+    the valid positions (a position whose label is outside the draft vocabulary counts in the
+    denominator with zero cross-entropy).
 
     Args:
         logits: ``[N, γ, V']`` draft logits ``U + B`` (teacher-forced sequential head).
@@ -119,19 +137,35 @@ def dspark_loss(logits, confidence_logits, labels, target_ids, target_probs, val
     """
     log_p = logits.float().log_softmax(-1)
     probs = log_p.exp()
-    w = weights.to(logits.device)[None] * valid
-    blocks = valid[:, 0].sum().clamp(min=1)
+    w = weights.to(logits.device)[None] * valid  # [N, γ]
+    total = w.sum().clamp(min=1e-12)  # Σ w over valid positions: per weighted token
     ce_valid = valid & (labels >= 0)
     ce = -torch.gather(log_p, -1, labels.clamp(min=0)[..., None])[..., 0] * ce_valid
     tv = tv_distance(probs, target_ids, target_probs)
     accept = (1 - 0.5 * tv).clamp(0, 1).detach()  # c*_k, eq. 8
-    parts = {"ce": (ce * w).sum() / blocks, "tv": (tv * w).sum() / blocks}
+    parts = {"ce": (ce * w).sum() / total, "tv": (tv * w).sum() / total}
     if confidence_logits is not None:
         bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), accept, reduction="none")
-        parts["conf"] = (bce * w).sum() / blocks
+        parts["conf"] = (bce * w).sum() / total
     loss = sum(loss_weights[k] * v for k, v in parts.items())
     per_position = (accept * valid).sum(0) / valid.sum(0).clamp(min=1)
     return loss, {**{k: v.detach() for k, v in parts.items()}, "accept": per_position}
+
+
+def greedy_survival(logits: torch.Tensor, target_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced greedy prefix survival: draft ``k`` survives greedy verification when its argmax and
+    every earlier one equal the target's top-1 token (the greedy ``n ≥ k`` event of the bench's τ).
+
+    Args:
+        logits: ``[N, γ, V']`` draft logits; target_ids: ``[N, γ, K]`` draft-vocab rows of the target's
+            top-K (row 0 = its argmax; ``-1`` outside the draft vocabulary, never matched); valid: ``[N, γ]``.
+
+    Returns:
+        ``[γ]``: P(n ≥ k) over blocks whose position ``k`` exists.
+    """
+    hit = (logits.argmax(-1) == target_ids[..., 0]) & valid
+    survive = hit.long().cumprod(-1).float()
+    return (survive * valid).sum(0) / valid.sum(0).clamp(min=1)
 
 
 def expected_tau(accept: torch.Tensor) -> float:
@@ -206,11 +240,46 @@ def choose_draft_vocab(rows, size: int, vocab_size: int) -> torch.Tensor:
     return counts.argsort(descending=True, stable=True)[:size].sort().values
 
 
+def reserved_mask_token(tokenizer, draft_vocab: torch.Tensor | None = None) -> int:
+    """The default v2 ``mask_token_id`` for a target's tokenizer (issue #11).
+
+    Rule: the tokenizer's own ``mask_token_id`` if it has one; else the highest-id added (reserved)
+    token that is not one of its special tokens in use (bos/eos/pad/unk, ``all_special_ids``) and not
+    in ``draft_vocab`` (``[V']`` target ids; the drafter never drafts its mask token). SmolLM2 gives 16
+    (``<empty_output>``).
+
+    Raises:
+        ValueError: no such token; set ``mask_token_id`` in the training config.
+    """
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return int(tokenizer.mask_token_id)
+    taken = set(tokenizer.all_special_ids) | set(draft_vocab.tolist() if draft_vocab is not None else ())
+    free = [i for i in tokenizer.added_tokens_decoder if i not in taken]
+    if not free:
+        raise ValueError("The tokenizer has no reserved token outside the draft vocabulary for the mask slots: "
+                         "set mask_token_id in the training config (a target token id the drafter never drafts).")
+    return max(free)
+
+
 # ----------------------------------------------------------------------------------- training
-def build_drafter(target, cfg: TrainConfig, train_rows) -> DSparkDrafter:
-    """A fresh drafter for ``target``; its draft vocabulary is chosen from the training responses."""
+def build_drafter(target, cfg: TrainConfig, train_rows, tokenizer=None) -> DSparkDrafter:
+    """A fresh v2 drafter for ``target``; its draft vocabulary is chosen from the training responses.
+
+    The mask token is ``cfg.mask_token_id``, else :func:`reserved_mask_token` of ``tokenizer``.
+
+    Raises:
+        ValueError: neither ``cfg.mask_token_id`` nor a ``tokenizer`` is given (the message names the
+            config key), or as :class:`DSparkConfig`.
+    """
     vocab = target.get_output_embeddings().weight.shape[0]
     draft_vocab_size = min(cfg.draft_vocab_size, vocab) if cfg.draft_vocab_size else None
+    draft_vocab = choose_draft_vocab(train_rows, draft_vocab_size, vocab) if draft_vocab_size else None
+    mask_token_id = cfg.mask_token_id
+    if mask_token_id is None:
+        if tokenizer is None:
+            raise ValueError("Set mask_token_id in the training config (a reserved target token outside the draft "
+                             "vocabulary, e.g. 16 = <empty_output> for SmolLM2), or pass the target's tokenizer.")
+        mask_token_id = reserved_mask_token(tokenizer, draft_vocab)
     config = DSparkConfig.for_target(
         target,
         num_context_layers=cfg.num_context_layers,
@@ -221,11 +290,35 @@ def build_drafter(target, cfg: TrainConfig, train_rows) -> DSparkDrafter:
         block_size=cfg.block_size,
         draft_vocab_size=draft_vocab_size,
         verification="scheduler" if cfg.confidence_head else "fixed",
+        mask_token_id=mask_token_id,
     )
     drafter = DSparkDrafter(config)
-    if draft_vocab_size:
-        drafter.set_draft_vocab(choose_draft_vocab(train_rows, draft_vocab_size, vocab))
+    if draft_vocab is not None:
+        drafter.set_draft_vocab(draft_vocab)
+    if cfg.init_from_target_layers:
+        init_layers_from_target(drafter, target, cfg.init_from_target_layers)
     return drafter.bind(target)
+
+
+def init_layers_from_target(drafter: DSparkDrafter, target, layer_ids: list[int]):
+    """Start drafter layer ``j`` as a copy of target decoder layer ``layer_ids[j]`` (attention, MLP, norms).
+
+    The drafter's layers use transformers' Llama parameter names and the target's shapes, so the copy is a
+    ``load_state_dict``; parameters the target layer lacks (e.g. QK-norm weights on a Llama target) keep
+    their fresh initialisation.
+
+    Raises:
+        ValueError: not one target layer per drafter layer, or a layer id outside the target.
+    """
+    layers = target.model.layers
+    if len(layer_ids) != len(drafter.layers) or any(not 0 <= i < len(layers) for i in layer_ids):
+        raise ValueError(
+            f"init_from_target_layers needs {len(drafter.layers)} ids in 0..{len(layers) - 1}, got {layer_ids}"
+        )
+    for layer, i in zip(drafter.layers, layer_ids):
+        result = layer.load_state_dict(layers[i].state_dict(), strict=False)
+        if result.unexpected_keys:
+            raise ValueError(f"target layer {i} has parameters the drafter layer lacks: {result.unexpected_keys}")
 
 
 def learning_rate(cfg: TrainConfig, step: int, elapsed_s: float) -> float:
@@ -244,27 +337,30 @@ def train_step(drafter, batch, weights, loss_weights):
     """Forward + loss on one packed batch; returns ``(loss, parts)`` (no optimizer step)."""
     out = drafter(batch["features"], batch["anchors"], batch["tokens"])
     flat = lambda t: t.flatten(0, 1) if t is not None else None  # noqa: E731
-    return dspark_loss(
+    loss, parts = dspark_loss(
         flat(out.logits), flat(out.confidence_logits), flat(batch["labels"]), flat(batch["target_ids"]),
         flat(batch["target_probs"]), flat(batch["valid"]), weights, loss_weights,
     )
+    parts["greedy"] = greedy_survival(flat(out.logits).detach(), flat(batch["target_ids"]), flat(batch["valid"]))
+    return loss, parts
 
 
 @torch.no_grad()
 def evaluate(drafter, batches, weights, loss_weights) -> dict:
     """Mean loss parts, per-position acceptance estimate c*_k and τ estimate on fixed batches."""
     drafter.eval()
-    sums, accept = {}, 0
+    sums, accept, greedy = {}, 0, 0
     for batch in batches:
         loss, parts = train_step(drafter, batch, weights, loss_weights)
         for k, v in parts.items():
-            if k != "accept":
+            if k not in ("accept", "greedy"):
                 sums[k] = sums.get(k, 0.0) + float(v)
         sums["loss"] = sums.get("loss", 0.0) + float(loss)
-        accept = accept + parts["accept"]
+        accept, greedy = accept + parts["accept"], greedy + parts["greedy"]
     drafter.train()
-    accept = accept / len(batches)
-    return {**{k: v / len(batches) for k, v in sums.items()}, "accept": accept.tolist(), "tau": expected_tau(accept)}
+    accept, greedy = accept / len(batches), greedy / len(batches)
+    return {**{k: v / len(batches) for k, v in sums.items()}, "accept": accept.tolist(), "tau": expected_tau(accept),
+            "greedy_survival": greedy.tolist(), "greedy_tau": 1.0 + float(greedy.sum())}
 
 
 def train(target, cfg: TrainConfig, progress: bool = True, command: str | None = None) -> Path:
@@ -315,9 +411,11 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
         optimizer.step()
         step += 1
         bar.update(1)
-        bar.set_postfix({k: f"{float(v):.3f}" for k, v in parts.items() if k != "accept"} | {"tau": f"{expected_tau(parts['accept']):.2f}"})
+        bar.set_postfix({k: f"{float(v):.3f}" for k, v in parts.items() if k not in ("accept", "greedy")}
+                        | {"tau": f"{expected_tau(parts['accept']):.2f}"})
         record = {"step": step, "time_s": time.perf_counter() - start, "loss": float(loss.detach()), "lr": optimizer.param_groups[0]["lr"]}
-        record |= {k: float(v) for k, v in parts.items() if k != "accept"} | {"tau_est": expected_tau(parts["accept"])}
+        record |= {k: float(v) for k, v in parts.items() if k not in ("accept", "greedy")}
+        record |= {"tau_est": expected_tau(parts["accept"]), "greedy_tau": 1.0 + float(parts["greedy"].sum())}
         if step % cfg.eval_every == 0 or step == cfg.steps:
             record["validation"] = evaluate(drafter, val_batches, weights, cfg.loss_weights)
         log.write(json.dumps(record) + "\n")

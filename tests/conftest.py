@@ -88,19 +88,21 @@ def cycle_target(num_hidden_layers, alpha, scale=3.0, name=None) -> LlamaForCaus
     return target
 
 
-def cycle_drafter(target, head="markov", beta=100.0, block_size=4, **config) -> DSparkDrafter:
+def cycle_drafter(target, head="markov", beta=100.0, block_size=4, version=2, **config) -> DSparkDrafter:
     """A "cheating" drafter for ``cycle_target`` that predicts ``CYCLE`` from the target's last layer.
 
     ``W1`` = one-hot rows (rank = V); markov: ``W2`` maps x to a +beta bias on f(x) (eq. 5); rnn: the output
     gate copies ``W1[x]`` (tanh(20) ≈ 1) and ``W2`` maps it the same way (eq. 6); none: the backbone is an
     identity (zeroed residual writes) so position 1 predicts f(anchor) through the target's lm_head.
     Confidences depend on the previous token with a spread of logits, so ℓ varies in threshold/scheduler.
+    ``version``: ``dspark_version`` (2: QK-norm, mask slots = the target's embedding of token 0, head biases).
     ``config`` overrides ``DSparkConfig`` fields; the drafter has no calibration and no SPS curve.
     """
     v = d = CYCLE_VOCAB
     config = DSparkConfig.for_target(target, target_layer_ids=[target.config.num_hidden_layers - 1],
                                      num_hidden_layers=1, sequential_head=head, sequential_rank=v,
-                                     block_size=block_size, **config)
+                                     block_size=block_size, dspark_version=version,
+                                     **{"mask_token_id": 0 if version >= 2 else None, **config})
     torch.manual_seed(3)
     drafter = DSparkDrafter(config).eval()
     g = torch.Generator().manual_seed(4)
@@ -120,5 +122,5 @@ def cycle_drafter(target, head="markov", beta=100.0, block_size=4, **config) -> 
         if drafter.confidence is not None:
             drafter.confidence.proj.weight.zero_()
             drafter.confidence.proj.weight[0, d:] = 2.5 * torch.randn(v, generator=g)
-            drafter.confidence.proj.weight[0, d:] += 1.0  # W1 rows are one-hot: +1 on every logit (eq. 7 has no bias)
+            drafter.confidence.proj.weight[0, d:] += 1.0  # W1 rows are one-hot: +1 on every logit (v1 has no bias)
     return drafter

@@ -15,6 +15,7 @@ import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateG
 from conftest import CPU_MS, tiny_llama, tiny_sps_curve
 from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling
 from dspark_hf import bench
+from dspark_hf.data import is_math_problem, prompt_category
 from dspark_hf.generation import GenerationStats, RoundStats
 
 
@@ -95,10 +96,10 @@ def test_small_helpers(tmp_path):
     assert bench.parse_drafters("a=x, b=/y/z") == {"a": "x", "b": "/y/z"}
     with pytest.raises(ValueError):
         bench.parse_drafters("a")
-    assert bench.is_math_problem("What's the square root of pi")
-    assert bench.is_math_problem("Solve for x: 3x + 2 = 11")
-    assert not bench.is_math_problem("Tell me how to write a marketing strategy for 2023/24")
-    assert not bench.is_math_problem("Write a python function that adds 2 + 2")
+    assert is_math_problem("What's the square root of pi")
+    assert is_math_problem("Solve for x: 3x + 2 = 11")
+    assert not is_math_problem("Tell me how to write a marketing strategy for 2023/24")
+    assert not is_math_problem("Write a python function that adds 2 + 2")
     file = tmp_path / "p.jsonl"
     file.write_text('{"prompt": "hi"}\n\n{"prompt": "yo", "id": "x"}\n')
     assert bench.read_prompts_file(file) == [("1", "hi"), ("x", "yo")]
@@ -111,7 +112,7 @@ V, D = 96, 64
 def tiny_drafter(target, head, confidence):
     torch.manual_seed({"markov": 1, "rnn": 2, "none": 3}[head])
     config = DSparkConfig.for_target(target, target_layer_ids=[0, 1], num_hidden_layers=1, sequential_head=head,
-                                     sequential_rank=16, block_size=3, confidence_head=confidence)
+                                     sequential_rank=16, block_size=3, confidence_head=confidence, mask_token_id=0)
     drafter = DSparkDrafter(config).bind(target).eval()
     if confidence:
         drafter.calibration = SequentialTemperatureScaling(temperatures=[0.9, 1.1, 1.0])
@@ -171,7 +172,7 @@ def test_runner_end_to_end(tmp_path):
     g = torch.Generator().manual_seed(5)
     suites = {
         "a": [("a0", torch.randint(1, V, (6,), generator=g).tolist()), ("a1", torch.randint(1, V, (9,), generator=g).tolist())],
-        "b": [("b0", [5, 6, 7, 5, 6, 7, 5, 6])],  # repetitive: prompt lookup finds matches
+        "b": [("b0", [5] * 8)],  # repetitive, and the target repeats itself (9 9 9 9 9 76 3 3 3 76 ...): lookup hits
     }
     settings = bench.BenchSettings(gamma=3, max_new_tokens=12, limit=2, warmup_tokens=3)
     sps = tiny_sps_curve(CPU_MS[:8])  # the CPU-like cost of verify steps of 1..8 tokens
@@ -190,6 +191,16 @@ def test_runner_end_to_end(tmp_path):
     wall = result["wall_clock"]
     assert wall["methods"][:3] == ["plain", "prompt-lookup", "dflash:builtin-dflash"]
     assert {"dspark:fixed", "dspark:scheduler", "dspark:async", "dspark-rnn:async", "dflash:fixed"} <= set(wall["methods"])
+    # the hybrid with prompt lookup, for drafters with calibrated confidences (config mode "scheduler")
+    assert {m for m in wall["methods"] if m.endswith("+lookup")} == {"dspark:scheduler+lookup",
+                                                                     "dspark-rnn:scheduler+lookup"}
+    hybrid = wall["suites"]["b"]["dspark:scheduler+lookup"]
+    n_tokens = sum(r["new_tokens"] for r in hybrid["per_prompt"])
+    assert hybrid["token_sources"]["target"] == sum(r["rounds"] for r in hybrid["per_prompt"])
+    assert sum(hybrid["token_sources"].values()) in range(n_tokens - 2, n_tokens)  # the prefill (+ a last) step
+    assert hybrid["token_sources"]["lookup"] > 0  # lookup drafts were accepted
+    assert wall["suites"]["b"]["dspark:scheduler"]["token_sources"]["lookup"] == 0
+    assert wall["suites"]["b"]["plain"]["token_sources"] is None
     best = result["confidence"]["dspark"]["best_threshold"]
     assert best, "this smoke run must cover pass 3 (the threshold mode at t > 0)"
     assert wall["methods"].index("dspark:threshold") == wall["methods"].index("dspark:fixed") + 1

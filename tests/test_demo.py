@@ -20,19 +20,23 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
-from conftest import CYCLE_VOCAB, cycle_drafter, cycle_target
+from conftest import CYCLE, CYCLE_VOCAB, cycle_drafter, cycle_target, tiny_sps_curve
+from dspark_hf import SequentialTemperatureScaling
 from dspark_hf.data import chat_ids
 from dspark_hf.demo import (
     BONUS,
     CORRECTION,
     DRAFT,
+    LOOKUP,
     PRUNED,
     REJECTED,
     TARGET,
     RoundStreamer,
     Transcript,
+    check_lookup,
     confidence_curve,
     split_chunk,
+    stats_html,
     stream_generation,
 )
 from dspark_hf.generation import GenerationStats, RoundStats
@@ -156,6 +160,29 @@ def test_stream_generation_sampling_and_stop(tiny):
     run = list(stream_generation(tiny.target, tiny.tokenizer, ids, 16, 0.0, tiny.drafter, stop, interval=0.0,
                                  dspark_verification="fixed"))[-1]
     assert run.error is None and run.new_tokens == 1
+
+
+def test_lookup_tokens_are_coloured_as_lookup(tiny):
+    """dspark_lookup=True: the text is still plain greedy generate's, and accepted lookup drafts get their own kind."""
+    assert "dspark calibrate" in check_lookup(tiny.drafter, True, 5)  # no calibration: explained, not run
+    assert check_lookup(tiny.drafter, False, 5) is None
+    drafter = cycle_drafter(tiny.target, "markov", block_size=5).bind(tiny.target)
+    drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * 5)
+    drafter.set_sps_curve(tiny_sps_curve())
+    stretch = [63]
+    for _ in range(23):
+        stretch.append(int(CYCLE[stretch[-1]]))
+    ids = [3, 9] + stretch + [3, 63]  # the anchor 63 occurred before, followed by the cycle the target follows
+    run = list(stream_generation(tiny.target, tiny.tokenizer, ids, 24, 0.0, drafter, interval=0.0,
+                                 dspark_verification="scheduler", dspark_lookup=True))[-1]
+    assert run.error is None
+    ref = tiny.target.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+    assert run.ids == ref
+    from_lookup = drafter.last_stats.token_sources()["lookup"]
+    assert from_lookup > 0 and sum(s.kind == LOOKUP for s in run.spans) == from_lookup
+    assert 'data-stat="from_lookup"' in stats_html(run)
+    assert 'class="tok tok-lookup"' in run.render()
+    assert all(row["rounds"] > 0 for row in confidence_curve(run.rounds, drafter.calibration))
 
 
 def test_unavailable_scheduler_is_explained(tiny):

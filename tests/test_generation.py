@@ -11,6 +11,7 @@ so rejections happen too. Everything is tiny and CPU-only.
 """
 
 import copy
+import random
 
 import pytest
 import torch
@@ -24,8 +25,10 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 from transformers.generation.streamers import BaseStreamer
 
 import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
-from conftest import CYCLE_VOCAB, LLAMA_DEFAULT_TOKENS, cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
+from conftest import CYCLE, CYCLE_VOCAB, LLAMA_DEFAULT_TOKENS, cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
 from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling, prepack_linears
+from dspark_hf.config import MAX_BLOCK_SIZE
+from dspark_hf.lookup import LookupDrafting, RoundPlan, find_continuation
 from dspark_hf.scheduler import schedule_global, schedule_prefix, threshold_prefix
 
 HEADS = ("none", "markov", "rnn")
@@ -152,6 +155,20 @@ def test_greedy_identical_to_plain_generate(target, drafters, prompts, reference
         assert len(lengths) >= min(gamma + 1, 3), lengths
 
 
+@pytest.mark.parametrize("mode", ["fixed", "scheduler"])
+@pytest.mark.parametrize("head", HEADS)
+def test_greedy_identical_with_v1_drafters(target, prompts, references, head, mode):
+    """v1 drafters (learned mask vector, no QK-norm, no head biases) stay lossless on the same paths."""
+    drafter = ready_cycle_drafter(target, head, version=1)
+    assert drafter.mask_embedding is not None and drafter.layers[0].self_attn.q_norm is None
+    accepting_rounds = 0
+    for i, (prompt, ref) in enumerate(zip(prompts, references)):
+        out = generate(target, prompt, drafter, mode, 7)
+        assert_greedy_identical(target, out, ref, f"v1 {head}/{mode}/prompt {i}")
+        accepting_rounds += sum(r.accepted >= 1 for r in drafter.last_stats.rounds)
+    assert accepting_rounds >= 10, "acceptance paths not exercised"
+
+
 def test_scheduled_lengths_vary(target, drafters, prompts, seen_lengths):
     """Over the module, the non-flat SPS curve and spread confidences give many distinct ℓ."""
     if not seen_lengths["scheduler"]:  # run alone: fill it here
@@ -248,7 +265,7 @@ def test_block_size_defaults_to_config_per_call(target, drafters, prompts):
 
 def test_untrained_drafter_is_still_lossless(target, prompts, references):
     """A randomly initialised drafter (drafts nearly always rejected) keeps greedy identity."""
-    config = DSparkConfig.for_target(target, target_layer_ids=[0], num_hidden_layers=1, sequential_rank=8)
+    config = DSparkConfig.for_target(target, target_layer_ids=[0], num_hidden_layers=1, sequential_rank=8, mask_token_id=0)
     torch.manual_seed(9)
     drafter = DSparkDrafter(config)
     drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * 16)
@@ -397,7 +414,8 @@ def test_block_size_out_of_range_raises(target, drafters, prompts, forward_calls
 
 def test_drafter_for_other_vocab_raises_at_generate(target, prompts, forward_calls):
     other = tiny_llama(V + 16, D, 2, seed=None, head_dim=16, **LLAMA_DEFAULT_TOKENS)
-    drafter = DSparkDrafter(DSparkConfig.for_target(other, num_context_layers=1, num_hidden_layers=1, sequential_rank=8))
+    drafter = DSparkDrafter(DSparkConfig.for_target(other, num_context_layers=1, num_hidden_layers=1, sequential_rank=8,
+                                                    mask_token_id=0))
     drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * 16)
     _raises_before_compute(forward_calls, "Vocabulary mismatch.*dspark train",
                            lambda: generate(target, prompts[1], drafter, "fixed", 4))
@@ -477,7 +495,7 @@ def sampling_drafter(target, draft_vocab=None):
     only far from p(d) when q(d) is moderate — that is what makes the biased variant detectable.
     """
     config = DSparkConfig.for_target(target, target_layer_ids=[0], num_hidden_layers=1, sequential_head="markov",
-                                     sequential_rank=8, block_size=4, draft_vocab_size=draft_vocab)
+                                     sequential_rank=8, block_size=4, draft_vocab_size=draft_vocab, mask_token_id=0)
     torch.manual_seed(1)
     drafter = DSparkDrafter(config).eval()
     with torch.no_grad():
@@ -504,21 +522,25 @@ def chi_square(counts, law, n):
     return float(x2), df, float(p)
 
 
-def sample_tables(target, prompt, drafter, mode, n):
+def sample_tables(target, prompt, drafter, mode, n, first_rounds=None, **kwargs):
     """Counts of (t1, t2) and (t2, t3) over ``n`` sampled generations, the share of drafting rounds that
-    verified something (ℓ >= 1) and accepted a draft, and the scheduled lengths of the drafting round."""
+    verified something (ℓ >= 1) and accepted a draft, and the scheduled lengths of the drafting round.
+
+    ``first_rounds`` (a list) collects each generation's first round; ``kwargs`` go to ``generate``."""
     first_pair, second_pair = torch.zeros(SV, SV), torch.zeros(SV, SV)
     accepting, verifying, lengths = 0, 0, set()
     torch.manual_seed(1234)
     for _ in range(n):
         out = target.generate(prompt, max_new_tokens=4, do_sample=True, temperature=1.0, top_k=None,
                               assistant_model=drafter, dspark_verification=mode, dspark_block_size=4,
-                              dspark_threshold=THRESHOLD)
+                              dspark_threshold=THRESHOLD, **kwargs)
         t1, t2, t3 = out[0, 3:6].tolist()
         first_pair[t1, t2] += 1
         second_pair[t2, t3] += 1
         rounds = drafter.last_stats.rounds
-        assert rounds[0].drafted == 2
+        assert rounds[0].drafted == 2 or rounds[0].drafted == rounds[0].lookup  # a lookup round: its planned ℓ
+        if first_rounds is not None:
+            first_rounds.append(rounds[0])
         accepting += rounds[0].accepted >= 1
         verifying += rounds[0].scheduled >= 1
         # "async" verifies all of round 1 and plans round 2 from it; the other modes decide in round 1
@@ -565,3 +587,194 @@ def test_argmax_drafts_with_drafter_logits_fail_the_check(sampling_setup, monkey
     results = [chi_square(counts, law, N_SAMPLES) for counts, law in zip(tables, laws)]
     assert accept_rate >= 0.2
     assert min(p for _, _, p in results) < P_BIASED, f"biased drafter not detected: {results}"
+
+
+# ------------------------------------------------------------------ prompt lookup (dspark_lookup=True)
+# Prompts that contain a stretch of the cycle f give lookup hits (the greedy target mostly continues f, so the text
+# after an earlier occurrence of the anchor is often right) and misses (it leaves f ~17 % of the time); random
+# prompts mostly give no match at all. Every round's plan is replayed from the output alone (check_lookup_stats):
+# the plan may only depend on the accepted text and on earlier rounds, never on a draft of its own round.
+LOOKUP_NEW = 24
+
+
+def cycle_prompt(generator, n_noise=3, n_cycle=14, trap_every=0):
+    """``noise + [z, f(z), ..., f^13(z)] + noise[:1] + [z]``: the anchor ``z`` occurred before, followed by f.
+
+    ``trap_every = t``: every t-th token of the stretch is replaced by a random one, so a long enough lookup
+    continuation holds a token the target rejects.
+    """
+    z = int(torch.randint(0, V, (1,), generator=generator))
+    noise = torch.randint(0, V, (n_noise,), generator=generator).tolist()
+    stretch = [z]
+    for _ in range(n_cycle - 1):
+        stretch.append(int(CYCLE[stretch[-1]]))
+    for i in range(trap_every, n_cycle, trap_every or n_cycle):
+        stretch[i] = int(torch.randint(0, V, (1,), generator=generator))
+    return torch.tensor([noise + stretch + noise[:1] + [z]])
+
+
+@pytest.fixture(scope="module")
+def lookup_prompts(prompts):
+    g = torch.Generator().manual_seed(14)
+    return [cycle_prompt(g) for _ in range(3)] + [cycle_prompt(g, trap_every=t) for t in (2, 3, 4)] + prompts[1:3]
+
+
+@pytest.fixture(scope="module")
+def lookup_references(target, lookup_prompts):
+    return [target.generate(p, max_new_tokens=LOOKUP_NEW, do_sample=False) for p in lookup_prompts]
+
+
+def mode_length(drafter, confidences, gamma, mode, previous):
+    """ℓ of a DSpark round by the verification mode (as check_stats); returns ``(ℓ, previous for async)``."""
+    if mode == "fixed":
+        return gamma, previous
+    if mode == "threshold":
+        return threshold_prefix(confidences, THRESHOLD), previous
+    c = drafter.calibration.apply(torch.tensor(confidences))
+    sps = drafter.sps_curve.steps_per_s[: gamma + 1]
+    if mode == "scheduler":
+        return schedule_prefix(c, sps), previous
+    return (gamma if previous is None else schedule_global(torch.cat([c[:1], previous[1:]]), sps)), c
+
+
+def check_lookup_stats(drafter, out, prompt_len, max_new, gamma, mode):
+    """Replay every round's plan from the output tokens and the earlier rounds only, and check the round against it.
+
+    Returns the list of planned sources. A plan that looked at the round's own drafts (or its confidences) would
+    not be reproduced here: the replay plans each round before reading anything the round drafted.
+    """
+    stats = drafter.last_stats
+    state = LookupDrafting(drafter.calibration, drafter.sps_curve.steps_per_s, MAX_BLOCK_SIZE)
+    max_length = prompt_len + max_new
+    length, previous, sources = prompt_len + 1, None, []
+    for r in stats.rounds:
+        room = max_length - length - 1
+        gamma_r = min(gamma, room)
+        plan = state.plan(out[:, :length], gamma_r, room)
+        k = len(plan.lookup_tokens)
+        assert (r.lookup, r.draft_tokens[:k]) == (k, list(plan.lookup_tokens)), (plan, r)
+        assert 0 <= r.accepted <= r.scheduled <= r.drafted
+        if plan.source == "lookup":
+            assert r.confidences == [] and r.drafted == r.scheduled == plan.length == k >= 1
+        else:
+            assert r.drafted == len(r.confidences) == gamma_r
+            if plan.source == "hybrid":
+                assert r.scheduled == plan.length > k >= 1
+            else:
+                ell, previous = mode_length(drafter, r.confidences, gamma_r, mode, previous)
+                assert r.scheduled == ell
+            state.observe_block(torch.tensor(r.confidences))
+        assert torch.equal(out[0, length:length + r.accepted], torch.tensor(r.draft_tokens[:r.accepted]))
+        state.update(out[:, :length + r.accepted + 1], r.accepted)
+        sources.append(plan.source)
+        length += r.accepted + 1
+    tail = out.shape[1] - length
+    assert tail == 0 or (tail == 1 and length == max_length - 1), (tail, length, max_length)
+    found = stats.token_sources()
+    assert found == dict(lookup=sum(min(r.accepted, r.lookup) for r in stats.rounds),
+                         dspark=sum(r.accepted - min(r.accepted, r.lookup) for r in stats.rounds),
+                         target=len(stats.rounds))
+    return sources
+
+
+@pytest.mark.parametrize("gamma", GAMMAS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("head", HEADS)
+def test_greedy_identical_with_lookup(target, drafters, lookup_prompts, lookup_references, head, mode, gamma):
+    drafter = drafters[head]
+    sources, hits, misses = [], 0, 0
+    for i, (prompt, ref) in enumerate(zip(lookup_prompts, lookup_references)):
+        out = generate(target, prompt, drafter, mode, gamma, max_new=LOOKUP_NEW, dspark_lookup=True)
+        assert_greedy_identical(target, out, ref, f"lookup {head}/{mode}/γ={gamma}/prompt {i}")
+        sources += check_lookup_stats(drafter, out, prompt.shape[1], LOOKUP_NEW, gamma, mode)
+        rounds = drafter.last_stats.rounds
+        hits += drafter.last_stats.token_sources()["lookup"]
+        misses += sum(r.accepted < min(r.lookup, r.scheduled) for r in rounds)  # a lookup token rejected
+    assert hits >= 1 and misses >= 1, (hits, misses)  # accepted lookup tokens, and rounds that rejected one
+    assert ("hybrid" if gamma > 1 else "lookup") in sources, sources  # γ = 1 leaves no room for a hybrid
+    assert "dspark" in sources
+
+
+# ------------------------------------------------------------------------ sampling with lookup drafts
+# Round 1 of the exactness protocol above (γ = 2) is planned by coin flips drawn from their own generator, i.e.
+# independently of every draft: a lookup round (one-hot proposals, no drafter pass), a hybrid round (a lookup
+# token forced as draft 1, the drafter continuing from it) or a DSpark round. Lookup tokens are the real
+# continuation when the text has a match, else random tokens (any proposal fixed before drafting is lossless).
+# The same chi-square bound then has to reject a choice that peeks at the round's own DSpark draft.
+
+
+LEAK_TOKEN = 2  # the "lookup" token of the peeking planner: p(t2 = 2) ≈ 0.17, and the peek raises it to ≈ 0.28
+N_PEEK = 600  # the bias sits in one token of t2's marginal: more samples than the joint-table tests need
+
+
+def coin_flip_plan(seed):
+    rng = random.Random(seed)
+
+    def plan(self, input_ids, gamma, room):
+        self._match = find_continuation(input_ids[0], min(self.max_tokens, room))
+        tokens = self._match.tokens if self._match is not None else tuple(rng.randrange(SV) for _ in range(room))
+        source = rng.choice(("dspark", "lookup", "hybrid") if gamma > 1 and room > 1 else ("dspark", "lookup"))
+        if source == "lookup":
+            length = rng.randint(1, len(tokens))
+            return RoundPlan("lookup", tokens[:length], length)
+        if source == "hybrid":
+            k = rng.randint(1, min(len(tokens), gamma - 1))
+            return RoundPlan("hybrid", tokens[:k], rng.randint(k + 1, gamma))
+        return RoundPlan("dspark")
+
+    return plan
+
+
+@pytest.mark.parametrize("mode", ["fixed", "scheduler"])
+def test_sampling_is_exact_with_lookup_drafts(sampling_setup, monkeypatch, mode):
+    target, prompt, laws = sampling_setup
+    drafter = sampling_drafter(target)
+    monkeypatch.setattr(LookupDrafting, "plan", coin_flip_plan(7))
+    first = []
+    tables, accept_rate, _ = sample_tables(target, prompt, drafter, mode, N_SAMPLES, first, dspark_lookup=True)
+    checks = [*zip(("(t1, t2)", "(t2, t3)"), tables, laws), ("t2", tables[0].sum(0), laws[0].sum(0)),
+              ("t3", tables[1].sum(0), laws[1].sum(0))]
+    for name, counts, law in checks:
+        x2, df, p = chi_square(counts, law, N_SAMPLES)
+        assert p > P_MIN, f"{mode}: {name} chi-square {x2:.1f} on {df} df, p = {p:.2g}"
+    lookup_rounds = [r for r in first if r.lookup]
+    assert sum(not r.confidences for r in lookup_rounds) >= 40 and sum(bool(r.confidences) for r in lookup_rounds) >= 40
+    assert sum(r.accepted >= 1 for r in lookup_rounds) >= 10  # lookup tokens accepted ...
+    assert sum(r.accepted == 0 for r in lookup_rounds) >= 40  # ... and rejected (resampled from the residual)
+
+
+def test_choice_that_peeks_at_the_drafts_fails_the_check(sampling_setup, monkeypatch):
+    """A planner that proposes the lookup token only when the DSpark draft disagrees with it is biased and caught."""
+    target, prompt, laws = sampling_setup
+    drafter = sampling_drafter(target)
+    original = DSparkDrafter.draft
+
+    def peeking_draft(context, anchor, block_size=None, do_sample=False, logits_processor=None, prefix_ids=None,
+                      generator=None, forced_tokens=None):
+        block = original(drafter, context, anchor, block_size, do_sample, logits_processor, prefix_ids, generator)
+        lookup = torch.tensor([LEAK_TOKEN])
+        if forced_tokens is None and block_size > 1 and block.tokens[0] != lookup[0]:  # depends on the draft
+            return original(drafter, context, anchor, block_size, do_sample, logits_processor, prefix_ids, generator,
+                            forced_tokens=lookup)
+        return block
+
+    monkeypatch.setattr(drafter, "draft", peeking_draft)
+    tables, _, _ = sample_tables(target, prompt, drafter, "fixed", N_PEEK)
+    x2, df, p = chi_square(tables[0].sum(0), laws[0].sum(0), N_PEEK)  # the law of t2, drafted in round 1
+    assert p < P_BIASED, f"draft-dependent choice not detected: chi-square {x2:.1f} on {df} df, p = {p:.2g}"
+    exact = sample_tables(target, prompt, sampling_drafter(target), "fixed", N_PEEK)[0][0].sum(0)
+    assert chi_square(exact, laws[0].sum(0), N_PEEK)[2] > P_MIN  # the same check passes without the peek
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sampling_lookup_plans_are_made_before_drafting(target, drafters, lookup_prompts, mode):
+    """With sampling, the real planner's every round replays from the output and earlier rounds alone."""
+    sources = []
+    torch.manual_seed(0)
+    for head in HEADS:
+        for prompt in lookup_prompts[:6]:
+            out = target.generate(prompt, max_new_tokens=LOOKUP_NEW, do_sample=True, assistant_model=drafters[head],
+                                  dspark_verification=mode, dspark_block_size=7, dspark_threshold=THRESHOLD,
+                                  dspark_lookup=True)
+            sources += check_lookup_stats(drafters[head], out, prompt.shape[1], LOOKUP_NEW, 7, mode)
+    assert {"dspark", "lookup", "hybrid"} <= set(sources), sources

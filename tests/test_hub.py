@@ -61,7 +61,7 @@ def saved(tmp_path_factory):
     target.save_pretrained(root / "target")
     config = DSparkConfig.for_target(target, num_context_layers=2, num_hidden_layers=1, intermediate_size=64,
                                      sequential_rank=8, block_size=GAMMA, draft_vocab_size=48,
-                                     target_name_or_path=DEFAULT_TARGET_NAME)
+                                     target_name_or_path=DEFAULT_TARGET_NAME, mask_token_id=0)
     drafter = DSparkDrafter(config)
     drafter.set_draft_vocab(torch.randperm(V, generator=torch.Generator().manual_seed(0))[:48])
     g = torch.Generator().manual_seed(0)

@@ -71,7 +71,7 @@ def test_greedy_dspark_on_prepacked_target_matches_plain_generate():
     target = prepack_linears(tiny_llama(64, 32, 2, seed=3, name="tiny"))
     torch.manual_seed(1)
     drafter = DSparkDrafter(DSparkConfig.for_target(target, num_hidden_layers=1, sequential_head="markov",
-                                                    sequential_rank=8, block_size=4, verification="fixed"))
+                                                    sequential_rank=8, block_size=4, verification="fixed", mask_token_id=0))
     drafter.set_sps_curve(tiny_sps_curve())
     prompt = torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(2))
     kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False)

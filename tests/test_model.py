@@ -41,7 +41,7 @@ def make_drafter(target, head="markov", draft_vocab=None, confidence=True, seed=
     """A drafter for ``target`` with every weight random (so each head really contributes)."""
     config = DSparkConfig.for_target(
         target, num_context_layers=2, num_hidden_layers=2, sequential_head=head, sequential_rank=RANK,
-        block_size=7, confidence_head=confidence, draft_vocab_size=draft_vocab, **kwargs,
+        block_size=7, confidence_head=confidence, draft_vocab_size=draft_vocab, **{"mask_token_id": 0, **kwargs},
     )
     torch.manual_seed(seed)
     drafter = DSparkDrafter(config).eval()
@@ -153,12 +153,18 @@ def test_markov_bias_is_w1_times_w2(target, draft_vocab):
     torch.testing.assert_close(out.logits - drafter.base_logits(hidden), _w1(drafter, prev) @ w2.T)
 
 
-def test_rnn_update_matches_eq6_by_hand(target):
-    drafter = make_drafter(target, "rnn")
+VERSIONS = {1: dict(dspark_version=1, mask_token_id=None), 2: {}}  # make_drafter kwargs per dspark_version
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_rnn_update_matches_eq6_by_hand(target, version):
+    drafter = make_drafter(target, "rnn", **VERSIONS[version])
     rnn = drafter.sequential
     assert isinstance(rnn, RNNHead)
     r = RANK
     w_g, w_c, w_o = rnn.gates.weight.split(r, dim=0)  # each [r, 2r + d]: gate, candidate, output
+    assert (rnn.gates.bias is not None) == (version == 2)  # v2: biased joint projection, as the references
+    b_g, b_c, b_o = rnn.gates.bias.split(r) if version == 2 else (torch.zeros(r),) * 3
     w2 = rnn.w2.weight  # [V', r]
     hidden = torch.randn(2, D)  # h_1, h_2
     x0, x1 = 17, 42
@@ -166,14 +172,14 @@ def test_rnn_update_matches_eq6_by_hand(target):
     # step 1 from s_0 = 0
     s0 = torch.zeros(r)
     z1 = torch.cat([s0, _w1(drafter, torch.tensor(x0)), hidden[0]])
-    g1 = torch.sigmoid(w_g @ z1)
-    s1 = g1 * s0 + (1 - g1) * torch.tanh(w_c @ z1)
-    b1 = w2 @ torch.tanh(w_o @ z1)
+    g1 = torch.sigmoid(w_g @ z1 + b_g)
+    s1 = g1 * s0 + (1 - g1) * torch.tanh(w_c @ z1 + b_c)
+    b1 = w2 @ torch.tanh(w_o @ z1 + b_o)
     # step 2 carries s_1
     z2 = torch.cat([s1, _w1(drafter, torch.tensor(x1)), hidden[1]])
-    g2 = torch.sigmoid(w_g @ z2)
-    s2 = g2 * s1 + (1 - g2) * torch.tanh(w_c @ z2)
-    b2 = w2 @ torch.tanh(w_o @ z2)
+    g2 = torch.sigmoid(w_g @ z2 + b_g)
+    s2 = g2 * s1 + (1 - g2) * torch.tanh(w_c @ z2 + b_c)
+    b2 = w2 @ torch.tanh(w_o @ z2 + b_o)
 
     state = rnn.initial_state(hidden[0])
     assert torch.equal(state, s0)
@@ -190,15 +196,17 @@ def test_rnn_update_matches_eq6_by_hand(target):
     torch.testing.assert_close(bias_seen, torch.stack([b1, b2]))
 
 
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("head", HEADS)
-def test_confidence_is_sigmoid_of_linear_in_h_and_w1(target, prompt, head):
-    drafter = make_drafter(target, head)
+def test_confidence_is_sigmoid_of_linear_in_h_and_w1(target, prompt, head, version):
+    drafter = make_drafter(target, head, **VERSIONS[version])
     proj = drafter.confidence.proj
-    assert proj.bias is None  # eq. 7 has no bias
+    assert (proj.bias is not None) == (version == 2)  # eq. 7 has no bias; v2 has one, as the references
     w = proj.weight[0]
+    b = proj.bias[0] if version == 2 else 0.0
     hidden = torch.randn(4, D)
     prev = torch.randint(0, V, (4,))
-    expected_logit = torch.cat([hidden, _w1(drafter, prev)], dim=-1) @ w
+    expected_logit = torch.cat([hidden, _w1(drafter, prev)], dim=-1) @ w + b
     torch.testing.assert_close(drafter.confidence(hidden, drafter.token_embedding(prev)), expected_logit)
     out = drafter.heads(hidden[None], prev[None])
     torch.testing.assert_close(out.confidence_logits[0], expected_logit)
@@ -210,7 +218,7 @@ def test_confidence_is_sigmoid_of_linear_in_h_and_w1(target, prompt, head):
     teacher = torch.cat([torch.tensor([anchor]), block.tokens])[None, None]
     h = drafter(features, torch.tensor([[N_CTX]]), teacher).hidden[0, 0]  # [γ, d]
     prev = teacher[0, 0, :5]
-    manual = torch.sigmoid(torch.cat([h, _w1(drafter, prev)], dim=-1) @ w)
+    manual = torch.sigmoid(torch.cat([h, _w1(drafter, prev)], dim=-1) @ w + b)
     torch.testing.assert_close(block.confidences, manual, rtol=1e-5, atol=1e-6)
 
 
@@ -353,7 +361,8 @@ def test_bind_rejects_target_too_shallow_for_context_layers(target):
 
 
 def test_bind_warns_on_other_target_name(target):
-    drafter = DSparkDrafter(DSparkConfig.for_target(target, num_context_layers=2, num_hidden_layers=1, sequential_rank=RANK))
+    drafter = DSparkDrafter(DSparkConfig.for_target(target, num_context_layers=2, num_hidden_layers=1, sequential_rank=RANK,
+                                                    mask_token_id=0))
     assert drafter.config.target_name_or_path == "tiny/target"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -403,7 +412,7 @@ def test_calibration_json_saved_and_loaded_with_the_drafter(target, tmp_path):
 def test_auto_classes_resolve_dspark(target, tmp_path):
     config = AutoConfig.for_model("dspark", vocab_size=V, hidden_size=D, target_num_layers=6, target_layer_ids=[1, 3],
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
-                                  num_hidden_layers=1, sequential_rank=RANK)
+                                  num_hidden_layers=1, sequential_rank=RANK, mask_token_id=0)
     assert type(config) is DSparkConfig
     model = AutoModel.from_config(config)
     assert type(model) is DSparkDrafter
@@ -416,3 +425,96 @@ def test_auto_classes_resolve_dspark(target, tmp_path):
     assert type(loaded) is DSparkDrafter
     for (k, a), (k2, b) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
         assert k == k2 and torch.equal(a, b), k
+
+
+# ---------------------------------------------------------------------------- v2 vs v1 (issue #11)
+def test_config_versions_validate_with_the_fix_named():
+    shapes = dict(vocab_size=V, hidden_size=D, target_num_layers=6, target_layer_ids=[1, 3])
+    assert DSparkConfig(**shapes, mask_token_id=5).qk_norm is True
+    assert DSparkConfig(**shapes, dspark_version=1).qk_norm is False
+    with pytest.raises(ValueError, match="needs mask_token_id.*for_target"):
+        DSparkConfig(**shapes)
+    with pytest.raises(ValueError, match="mask_token_id 64 must lie in 0..63"):
+        DSparkConfig(**shapes, mask_token_id=V)
+    with pytest.raises(ValueError, match="drop qk_norm=False"):
+        DSparkConfig(**shapes, mask_token_id=5, qk_norm=False)
+    with pytest.raises(ValueError, match="set dspark_version=2"):
+        DSparkConfig(**shapes, dspark_version=1, mask_token_id=5)
+    with pytest.raises(ValueError, match="dspark_version must be one of"):
+        DSparkConfig(**shapes, dspark_version=3, mask_token_id=5)
+
+
+def test_a_config_json_without_version_loads_as_v1(target, prompt, tmp_path):
+    v1 = make_drafter(target, "markov", dspark_version=1, mask_token_id=None)
+    v1.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["dspark_version"] == 1
+    for key in ("dspark_version", "qk_norm", "mask_token_id"):  # a config.json written before v2 existed
+        del saved[key]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    loaded = DSparkDrafter.from_pretrained(tmp_path).bind(target)
+    assert loaded.config.dspark_version == 1 and loaded.mask_embedding is not None
+    features, anchor = context_features(target, v1, prompt[:, :N_CTX]), prompt[0, N_CTX]
+    a, b = draft_after(v1, features, anchor, 7), draft_after(loaded, features, anchor, 7)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logits, b.logits)
+
+
+def test_v2_saves_its_version_and_mask_token(target, tmp_path):
+    drafter = make_drafter(target, "rnn", mask_token_id=9)
+    drafter.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert (saved["dspark_version"], saved["qk_norm"], saved["mask_token_id"]) == (2, True, 9)
+    assert DSparkDrafter.from_pretrained(tmp_path).config.mask_token_id == 9
+
+
+def test_v2_layer_parameters_are_named_as_transformers_qwen3():
+    """The decoder layers can be initialised from a target's layers by state_dict (same names and shapes)."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    drafter = make_drafter(tiny_target(), "markov")
+    qwen = Qwen3DecoderLayer(Qwen3Config(hidden_size=D, intermediate_size=drafter.config.intermediate_size,
+                                         num_attention_heads=drafter.config.num_attention_heads,
+                                         num_key_value_heads=drafter.config.num_key_value_heads,
+                                         head_dim=drafter.config.head_dim), layer_idx=0)
+    ours = {k: v.shape for k, v in drafter.layers[0].state_dict().items()}
+    assert ours == {k: v.shape for k, v in qwen.state_dict().items()}
+    assert ours["self_attn.q_norm.weight"] == (drafter.config.head_dim,)
+    drafter.layers[0].load_state_dict(qwen.state_dict())  # strict
+
+
+def test_v2_mask_slots_hold_the_target_embedding_of_the_mask_token(target):
+    drafter = make_drafter(target, "markov", mask_token_id=9)
+    assert drafter.mask_embedding is None and "mask_embedding" not in dict(drafter.named_parameters())
+    block = drafter.block_embeddings(torch.tensor([[3, 5]]), 4)  # [1, 2, γ, d]
+    embed = target.get_input_embeddings().weight
+    torch.testing.assert_close(block[0, 1, 0], embed[5])
+    torch.testing.assert_close(block[0, :, 1:], embed[9].expand(2, 3, D), rtol=0, atol=0)
+
+
+def test_v2_qk_norm_comes_before_rope_on_context_and_block_keys(target):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    drafter = make_drafter(target, "markov")
+    attn = drafter.layers[0].self_attn
+    hd = attn.head_dim
+    x = torch.randn(1, 5, D)
+    positions = torch.arange(3, 8)[None]
+    cos, sin = drafter.rotary_emb(x, positions)
+
+    def rms(t, w):  # per-head RMSNorm over head_dim, weight [hd]
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + drafter.config.rms_norm_eps) * w
+
+    k = rms(attn.k_proj(x).view(1, 5, -1, hd), attn.k_norm.weight).transpose(1, 2)
+    q = rms(attn.q_proj(x).view(1, 5, -1, hd), attn.q_norm.weight).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    k_ours, v_ours = attn.key_values(x, cos, sin)  # the context keys take this path
+    torch.testing.assert_close(k_ours, k)
+    # block states attending to an empty context = attention over their own q/k/v
+    empty = (k.new_zeros(1, k.shape[1], 0, hd), k.new_zeros(1, k.shape[1], 0, hd))
+    out = attn(x, cos, sin, empty)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v_ours, enable_gqa=True)
+    torch.testing.assert_close(out, attn.o_proj(ref.transpose(1, 2).reshape(1, 5, -1)))
+    with torch.no_grad():
+        attn.k_norm.weight.mul_(2.0)
+    assert not torch.allclose(attn.key_values(x, cos, sin)[0], k_ours)

@@ -63,7 +63,8 @@ def _greedy(model, tokenizer, prompt, **kwargs):
 def test_untrained_drafter_is_lossless_on_the_real_target(default_target, mode):
     model, tokenizer = default_target
     torch.manual_seed(0)
-    drafter = DSparkDrafter(DSparkConfig.for_target(model, num_hidden_layers=1, draft_vocab_size=None))
+    drafter = DSparkDrafter(DSparkConfig.for_target(model, num_hidden_layers=1, draft_vocab_size=None, mask_token_id=16))
+    assert drafter.config.dspark_version == 2 and tokenizer.convert_ids_to_tokens(16) == "<empty_output>"
     for prompt in PROMPTS:
         assert torch.equal(_greedy(model, tokenizer, prompt, assistant_model=drafter, dspark_verification=mode),
                            _greedy(model, tokenizer, prompt))
@@ -100,13 +101,48 @@ def test_ablation_drafters_match_the_shipped_budget_and_are_lossless(default_tar
     assert torch.equal(_greedy(model, tokenizer, PROMPTS[1], assistant_model=drafter, dspark_verification="fixed"), plain)
 
 
+# Drafts of the v1 checkpoints recorded before the v2 architecture existed (commit 6ea396d): greedy tokens, sampled
+# tokens (seed 0), the fp64 sum of the sampled block's finite logits, and the greedy confidences.
+V1_DRAFTS = {
+    "model_cards/dspark-smollm2-135m-instruct": ([504, 79, 1517, 28, 253, 79, 1517], [504, 2179, 6403, 432, 1188, 253, 2232], 76421.8598865699,
+        [0.480996, 0.227628, 0.148208, 0.274992, 0.292093, 0.185867, 0.121243]),
+    "ablations/dspark-rnn-smollm2-135m-instruct": ([198, 3725, 5367, 198, 1604, 1464, 253], [198, 3725, 5367, 198, 1604, 1464, 253], 188724.44569479674,
+        [0.635226, 0.5188, 0.56885, 0.938092, 0.441413, 0.133672, 0.445001]),
+    "ablations/dflash-smollm2-135m-instruct": ([198, 3725, 260, 253, 253, 253, 253], [198, 198, 354, 359, 1188, 253, 253], 112277.46982544288,
+        None),
+}
+
+
+@pytest.mark.parametrize("folder", V1_DRAFTS)
+def test_v1_checkpoints_draft_exactly_as_before(default_target, folder):
+    model, tokenizer = default_target
+    drafter = DSparkDrafter.from_pretrained(SHIPPED.parent.parent / folder).bind(model)
+    assert drafter.config.dspark_version == 1 and drafter.mask_embedding is not None
+    tokens, sampled, logit_sum, confidences = V1_DRAFTS[folder]
+    ids = torch.tensor([chat_ids(tokenizer, PROMPTS[1])])
+    with torch.no_grad():
+        states = model(ids, output_hidden_states=True).hidden_states
+    context = drafter.new_context()
+    drafter.extend_context(context, torch.cat([states[i + 1] for i in drafter.config.target_layer_ids], -1)[:, :-1])
+    greedy = drafter.draft(context, int(ids[0, -1]), 7)
+    block = drafter.draft(context, int(ids[0, -1]), 7, do_sample=True, generator=torch.Generator().manual_seed(0))
+    assert greedy.tokens.tolist() == tokens and block.tokens.tolist() == sampled
+    assert float(block.logits[torch.isfinite(block.logits)].double().sum()) == pytest.approx(logit_sum, rel=1e-9)
+    if confidences is None:
+        assert greedy.confidences is None
+    else:
+        torch.testing.assert_close(greedy.confidences, torch.tensor(confidences), rtol=0, atol=1e-6)
+
+
 def test_cli_generate_compare_json():
     result = subprocess.run(
         [sys.executable, "-m", "dspark_hf.cli", "generate", "Name three colors.", "--compare", "--json",
-         "--max-new-tokens", "16"],
+         "--max-new-tokens", "16", "--lookup"],
         capture_output=True, text=True, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     record = json.loads(result.stdout.strip().splitlines()[-1])
-    assert set(record) == {"text", "new_tokens", "rounds", "tau", "tokens_per_s", "baseline_tokens_per_s", "speedup",
-                           "identical"}
+    assert set(record) == {"text", "new_tokens", "rounds", "tau", "tokens_per_s", "sources", "baseline_tokens_per_s",
+                           "speedup", "identical"}
     assert record["identical"] is True and 0 < record["new_tokens"] <= 16 and record["tau"] >= 1
+    assert record["sources"]["target"] == record["rounds"]  # --lookup: tokens by origin (lookup / dspark / target)
+    assert sum(record["sources"].values()) in (record["new_tokens"] - 1, record["new_tokens"] - 2)

@@ -1,0 +1,263 @@
+"""Prompt-lookup drafts inside the DSpark round, chosen by the same expected throughput Θ (issue #14).
+
+Each round, before anything is drafted, :class:`LookupDrafting` finds the longest n-gram of the text so far
+(prompt + generated) that ends with the anchor token and occurred earlier, takes what followed it as a
+lookup continuation, and plans one of three proposals by ``Θ(ℓ) = (1 + Σ_{j<=ℓ} a_j) · SPS(1 + ℓ)`` (paper
+§3.2.2, :func:`dspark_hf.scheduler.expected_throughputs`):
+
+* ``"lookup"``: the first ℓ continuation tokens (no drafter pass at all);
+* ``"dspark"``: the DSpark block, its ℓ left to the call's verification mode;
+* ``"hybrid"``: k continuation tokens forced as the block's first drafts, the drafter continuing from them
+  (:meth:`dspark_hf.DSparkDrafter.draft` with ``forced_tokens``: the sequential and confidence heads take
+  the lookup tokens as their previous tokens; the parallel backbone never sees draft tokens, so nothing
+  else changes), ℓ = k + the planned DSpark part.
+
+Survival estimates (``a_j = Π_{i<=j} c_i``):
+
+* a lookup draft: ``c_i`` = the posterior mean of an online Beta(1, 1) count of lookup acceptance keyed by
+  the effective match length ``n + i - 1`` (after ``i - 1`` accepted continuation tokens the match is that
+  long). Every round scores the continuation it looked up against the tokens the round produced, whatever
+  was proposed: ``P(t_i = l_i) = p(l_i)`` is exactly the acceptance probability of a one-hot proposal (greedy:
+  ``t_i = l_i`` is acceptance), so the estimate is the empirical acceptance frequency, calibrated by
+  construction (what STS does for the drafter's c_k, paper §3.2.1), and it keeps learning in rounds that
+  proposed DSpark;
+* a DSpark draft at block position j: the calibrated confidence ``c'_j`` of the LAST DRAFTED block (as the
+  ``"async"`` mode uses the previous block, paper §5.2). Until a first block is drafted, the round proposes
+  DSpark.
+
+Lossless: the plan is a function of the accepted text and of earlier rounds only; no draft of the round can
+change which proposal is made or how many tokens a lookup or hybrid round verifies (Appendix A: admitting a
+draft must not depend on its own value). Lookup tokens are deterministic given the accepted text; under
+sampling they are returned as one-hot proposal logits, so transformers' rejection step
+(``_speculative_sampling``: accept ``l`` with probability ``p(l)``, else resample from ``p`` without ``l``)
+stays exact. DSpark rounds keep their mode's own (non-anticipating) ℓ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .scheduler import expected_throughputs
+
+__all__ = ["LookupAcceptance", "LookupDrafting", "LookupMatch", "RoundPlan", "find_continuation",
+           "lookup_enabled", "one_hot_logits", "plan_round"]
+
+MAX_NGRAM = 8  # longest suffix compared, and the last match-length bucket of the acceptance estimate
+SOURCES = ("dspark", "lookup", "hybrid")
+
+
+@dataclass(frozen=True)
+class LookupMatch:
+    """A lookup continuation: ``tokens`` followed an earlier occurrence of the last ``match_length`` tokens."""
+
+    tokens: tuple[int, ...]
+    match_length: int
+
+
+def find_continuation(ids: torch.Tensor | Sequence[int], max_tokens: int, max_ngram: int = MAX_NGRAM
+                      ) -> LookupMatch | None:
+    """Longest earlier match of the text's suffix and the (up to) ``max_tokens`` tokens that followed it.
+
+    The suffix n-gram ends with the last token of ``ids`` (the anchor); ``n`` runs down from ``max_ngram`` to 1
+    in effect (the longest match wins). Among occurrences of that longest ``n``, the most recent one with a
+    full ``max_tokens`` continuation is taken, else the earliest (the longest continuation). The continuation may
+    overlap the suffix itself (a repeating pattern continues itself).
+
+    Args:
+        ids: ``(L,)`` token ids: prompt + generated text, ending with the anchor.
+        max_tokens: most continuation tokens to return (``<= 0`` returns ``None``).
+        max_ngram: longest suffix compared.
+
+    Returns:
+        :class:`LookupMatch` with 1..``max_tokens`` tokens and ``match_length`` in 1..``max_ngram``, or
+        ``None`` when the anchor never occurred before.
+    """
+    seq = torch.as_tensor(ids).reshape(-1).cpu()
+    n_ids = seq.numel()
+    if n_ids < 2 or max_tokens <= 0:
+        return None
+    alive = seq[:-1] == seq[-1]  # (L-1,): candidate end positions p with seq[p] == anchor
+    length = torch.zeros(n_ids - 1, dtype=torch.long)
+    for k in range(min(max_ngram, n_ids - 1)):
+        if k > 0:  # extend: seq[p - k] == seq[L - 1 - k]
+            extends = torch.zeros(n_ids - 1, dtype=torch.bool)
+            extends[k:] = seq[: n_ids - 1 - k] == seq[n_ids - 1 - k]
+            alive &= extends
+        if not alive.any():
+            break
+        length += alive
+    best = int(length.max())
+    if best == 0:
+        return None
+    ends = (length == best).nonzero().flatten()  # ascending positions
+    full = ends[ends + max_tokens <= n_ids - 1]
+    p = int(full[-1]) if full.numel() else int(ends[0])
+    return LookupMatch(tuple(seq[p + 1: p + 1 + max_tokens].tolist()), best)
+
+
+class LookupAcceptance:
+    """Online estimate of ``P(lookup draft i accepted | drafts < i accepted)`` per effective match length.
+
+    A Beta(``prior``) posterior mean per bucket ``min(n + i - 1, max_ngram)`` (``n`` = match length, ``i`` =
+    continuation position, 1-based): ``(accepted + α) / (accepted + rejected + α + β)``.
+    """
+
+    def __init__(self, max_ngram: int = MAX_NGRAM, prior: tuple[float, float] = (1.0, 1.0)):
+        self.max_ngram = max_ngram
+        self.prior = prior
+        self.accepted = [0] * (max_ngram + 1)  # index = bucket (0 unused)
+        self.rejected = [0] * (max_ngram + 1)
+
+    def bucket(self, match_length: int, position: int) -> int:
+        return min(match_length + position - 1, self.max_ngram)
+
+    def conditionals(self, match: LookupMatch) -> list[float]:
+        """Estimated conditional acceptance ``c_i`` of each continuation token, ``len(match.tokens)`` values."""
+        alpha, beta = self.prior
+        out = []
+        for i in range(1, len(match.tokens) + 1):
+            b = self.bucket(match.match_length, i)
+            out.append((self.accepted[b] + alpha) / (self.accepted[b] + self.rejected[b] + alpha + beta))
+        return out
+
+    def update(self, match: LookupMatch, produced: Sequence[int]) -> None:
+        """Score ``match``'s continuation against the tokens a round produced (its accepted drafts + the target's
+        token): token ``i`` counts while the previous ones agreed and ``produced`` reaches position ``i``."""
+        for i, (proposed, actual) in enumerate(zip(match.tokens, produced), start=1):
+            b = self.bucket(match.match_length, i)
+            if proposed != actual:
+                self.rejected[b] += 1
+                return
+            self.accepted[b] += 1
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What one round proposes, decided before any drafting.
+
+    Attributes:
+        source: ``"dspark"``, ``"lookup"`` or ``"hybrid"``.
+        lookup_tokens: lookup continuation tokens the proposal starts with (``()`` for ``"dspark"``).
+        length: planned ℓ for ``"lookup"`` / ``"hybrid"``; ``None`` for ``"dspark"`` (the mode decides).
+        theta: the planned Θ (expected tokens per second of the chosen proposal).
+    """
+
+    source: str
+    lookup_tokens: tuple[int, ...] = ()
+    length: int | None = None
+    theta: float = 0.0
+
+
+def _best(conditionals: Sequence[float], sps: Sequence[float], shortest: int) -> tuple[int, float]:
+    """``(ℓ, Θ(ℓ))`` maximising Θ over ``ℓ >= shortest`` (ties: the shorter)."""
+    thetas = expected_throughputs(conditionals, sps)
+    length = max(range(shortest, len(thetas)), key=thetas.__getitem__)
+    return length, thetas[length]
+
+
+def plan_round(lookup: Sequence[float], dspark: Sequence[float] | None, sps: Sequence[float], gamma: int
+               ) -> tuple[str, int, int | None, float]:
+    """The proposal with the highest expected throughput (a pure function of estimates made before drafting).
+
+    Args:
+        lookup: estimated conditional acceptance ``c_i`` of the lookup continuation tokens (``m`` values, may
+            be empty).
+        dspark: estimated conditional acceptance of DSpark drafts at block positions ``1..γ`` (``γ`` values),
+            or ``None`` (no estimate yet: DSpark is proposed).
+        sps: ``sps[B - 1] = SPS(B)``.
+        gamma: the round's block size γ (a hybrid round verifies at most γ tokens).
+
+    Returns:
+        ``(source, k, ℓ, Θ)``: ``k`` leading lookup tokens and the planned ℓ (``None`` for ``"dspark"``).
+        ``"lookup"`` wins over DSpark on ties (it costs no drafter pass); ``"hybrid"`` needs a strictly higher Θ
+        than both; DSpark is kept when nothing beats verifying no draft.
+
+    Raises:
+        ValueError: estimates outside ``[0, 1]`` or an invalid ``sps`` (see :func:`expected_throughputs`).
+    """
+    top = len(sps) - 1  # the SPS table covers ℓ <= top
+    if dspark is None or gamma < 1 or top < 1:
+        return "dspark", 0, None, 0.0
+    dspark = list(dspark)[:gamma]
+    _, best = _best(dspark, sps, 0)
+    plan = ("dspark", 0, None, best)
+    if lookup:
+        length, theta = _best(lookup, sps, 1)
+        if theta >= best:
+            plan, best = ("lookup", length, length, theta), theta
+    for k in range(1, min(len(lookup), len(dspark) - 1, top - 1) + 1):
+        length, theta = _best([*lookup[:k], *dspark[k:]], sps, k + 1)
+        if theta > best:
+            plan, best = ("hybrid", k, length, theta), theta
+    return plan
+
+
+def one_hot_logits(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits of deterministic proposals: ``(k,)`` ids -> ``(k, V)`` rows of 0 at the id and ``-inf`` elsewhere
+    (``softmax`` gives the one-hot proposal distribution of each lookup draft)."""
+    return F.one_hot(tokens, vocab_size).float().log()
+
+
+def lookup_enabled(setting, drafter, block_size: int) -> bool:
+    """Validate the ``dspark_lookup`` generate setting; returns it.
+
+    The proposal choice compares Θ of lookup and DSpark drafts, and DSpark's survival estimate is the calibrated
+    confidence of the last drafted block, so the drafter needs a confidence head and a calibration covering γ.
+
+    Raises:
+        ValueError: ``setting`` is not a bool, or it is ``True`` and the drafter lacks calibrated confidences
+            (the message names the fix).
+    """
+    if not isinstance(setting, bool):
+        raise ValueError(f"dspark_lookup must be True or False, got {setting!r}")
+    fix = "run `dspark calibrate`, or pass dspark_lookup=False"
+    if setting and drafter.confidence is None:
+        raise ValueError(f"dspark_lookup=True needs the drafter's confidence head to compare proposals by Θ; {fix}.")
+    calibration = drafter.calibration
+    if setting and (calibration is None or len(calibration.temperatures) < block_size):
+        raise ValueError(f"dspark_lookup=True needs calibrated confidences for γ = {block_size} positions; {fix}.")
+    return setting
+
+
+class LookupDrafting:
+    """Per-``generate``-call state of the hybrid: the acceptance estimate, the last block's confidences, and the
+    lookup match of the round in flight.
+
+    Args:
+        calibration: the drafter's :class:`~dspark_hf.SequentialTemperatureScaling`.
+        sps: the target's ``steps_per_s`` table (``sps[B - 1] = SPS(B)``).
+        max_tokens: most lookup tokens per round (also capped by ``len(sps) - 1`` and the token budget).
+    """
+
+    def __init__(self, calibration, sps: Sequence[float], max_tokens: int):
+        self.calibration = calibration
+        self.sps = list(sps)
+        self.max_tokens = min(max_tokens, len(self.sps) - 1)
+        self.acceptance = LookupAcceptance()
+        self.block_estimate: list[float] | None = None  # calibrated c' of the last drafted block
+        self._match: LookupMatch | None = None
+
+    def plan(self, input_ids: torch.Tensor, gamma: int, room: int) -> RoundPlan:
+        """Plan the round from the accepted text ``input_ids`` ``(1, L)`` (anchor last), γ and the number of draft
+        tokens the budget leaves (``room``); remembers the lookup match for :meth:`update`."""
+        self._match = find_continuation(input_ids[0], min(self.max_tokens, room))
+        lookup = self.acceptance.conditionals(self._match) if self._match is not None else []
+        source, k, length, theta = plan_round(lookup, self.block_estimate, self.sps, gamma)
+        tokens = self._match.tokens[:k] if k else ()
+        return RoundPlan(source, tokens, length, theta)
+
+    def observe_block(self, confidences: torch.Tensor) -> None:
+        """Keep the calibrated confidences ``(γ,)`` of the block just drafted as the next rounds' DSpark estimate."""
+        self.block_estimate = self.calibration.apply(confidences.float()).tolist()
+
+    def update(self, input_ids: torch.Tensor, num_matches: int) -> None:
+        """After verification: score the round's lookup continuation against its ``num_matches + 1`` produced
+        tokens (the end of ``input_ids`` ``(1, L')``)."""
+        if self._match is not None:
+            produced = input_ids[0, input_ids.shape[1] - int(num_matches) - 1:].tolist()
+            self.acceptance.update(self._match, produced)
+        self._match = None

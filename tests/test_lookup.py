@@ -1,0 +1,154 @@
+"""Prompt lookup inside the DSpark round (dspark_hf.lookup, issue #14): matching, the acceptance estimate, the
+Θ-based choice, one-hot proposals and drafting conditioned on forced lookup tokens. Generation-level tests
+(greedy identity, exact sampling, the choice never depending on the round's drafts) are in test_generation.py."""
+
+import pytest
+import torch
+
+from conftest import CYCLE, cycle_drafter, cycle_target
+from dspark_hf import SequentialTemperatureScaling
+from dspark_hf.lookup import (LookupAcceptance, LookupDrafting, LookupMatch, find_continuation, lookup_enabled,
+                              one_hot_logits, plan_round)
+from dspark_hf.scheduler import expected_throughputs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SPS = [1000.0 / m for m in (65, 109, 110, 115, 120, 126, 130, 135, 140)]  # steep then flat (CPU-like), B = 1..9
+
+
+# ------------------------------------------------------------------------------------- matching
+def test_longest_match_wins_over_a_more_recent_shorter_one():
+    #        0  1  2  3  4  5  6  7  8  9
+    ids = [7, 1, 2, 3, 9, 2, 3, 5, 1, 2]  # suffix [1, 2]: at 1-2 (n = 2); [2] alone also at 5 (more recent)
+    assert find_continuation(ids, 3) == LookupMatch((3, 9, 2), 2)
+
+
+def test_most_recent_full_continuation_else_the_earliest():
+    ids = [4, 5, 6, 4, 5, 8, 4]  # anchor 4 at 0 and 3, each a 1-gram match
+    assert find_continuation(ids, 3) == LookupMatch((5, 8, 4), 1)  # most recent with 3 tokens after it
+    assert find_continuation(ids, 4) == LookupMatch((5, 6, 4, 5), 1)  # only position 0 has 4: the earliest
+    assert find_continuation([4, 5, 4], 4) == LookupMatch((5, 4), 1)  # none has 4: the longest there is
+
+
+def test_repeating_pattern_continues_itself_and_match_length_is_capped():
+    ids = [3, 8] * 6
+    match = find_continuation(ids, 4, max_ngram=5)
+    assert match == LookupMatch((3, 8, 3, 8), 5)
+    assert find_continuation([5, 5, 5, 5], 3) == LookupMatch((5,), 3)  # overlapping: continuation is the anchor
+
+
+def test_no_match():
+    assert find_continuation([1, 2, 3], 3) is None  # the anchor never occurred before
+    assert find_continuation([3], 3) is None
+    assert find_continuation([1, 2, 1], 0) is None
+    assert find_continuation(torch.tensor([[1, 2, 1]]), 2) == LookupMatch((2, 1), 1)  # (1, L) tensors work too
+
+
+# -------------------------------------------------------------------------------- the estimate
+def test_acceptance_counts_by_effective_match_length():
+    est = LookupAcceptance(max_ngram=4)
+    match = LookupMatch((10, 11, 12, 13), 2)  # buckets 2, 3, 4, 4 (capped)
+    assert est.conditionals(match) == [0.5] * 4  # Beta(1, 1) prior
+    est.update(match, [10, 11, 99])  # 2 accepted (buckets 2, 3), rejected at bucket 4
+    assert (est.accepted, est.rejected) == ([0, 0, 1, 1, 0], [0, 0, 0, 0, 1])
+    est.update(match, [10])  # only one token produced: position 2 unseen
+    assert est.accepted == [0, 0, 2, 1, 0]
+    assert est.conditionals(match) == [3 / 4, 2 / 3, 1 / 3, 1 / 3]
+    est.update(LookupMatch((5,), 1), [6, 7])
+    assert est.rejected[1] == 1 and est.conditionals(LookupMatch((5, 6), 1)) == [1 / 3, 3 / 4]
+
+
+# ---------------------------------------------------------------------------------- the choice
+def theta(conditionals, length):
+    return expected_throughputs(conditionals, SPS)[length]
+
+
+def test_plan_lookup_when_it_beats_dspark():
+    lookup, dspark = [0.95] * 6, [0.5] * 4
+    source, k, length, value = plan_round(lookup, dspark, SPS, 4)
+    best = max(range(1, 7), key=lambda j: theta(lookup, j))
+    assert (source, k, length) == ("lookup", best, best) and value == pytest.approx(theta(lookup, best))
+    assert value > max(expected_throughputs(dspark, SPS))
+
+
+def test_plan_dspark_when_lookup_is_poor_or_absent():
+    dspark = [0.8] * 4
+    best = max(expected_throughputs(dspark, SPS))
+    assert plan_round([0.3, 0.3, 0.3], dspark, SPS, 4) == ("dspark", 0, None, pytest.approx(best))
+    assert plan_round([], dspark, SPS, 4) == ("dspark", 0, None, pytest.approx(best))
+    assert plan_round([0.99], None, SPS, 4) == ("dspark", 0, None, 0.0)  # no block drafted yet
+
+
+def test_plan_hybrid_when_lookup_leads_and_dspark_continues():
+    lookup, dspark = [0.95, 0.1], [0.4, 0.9, 0.9, 0.9]
+    source, k, length, value = plan_round(lookup, dspark, SPS, 4)
+    assert (source, k, length) == ("hybrid", 1, 4)
+    assert value == pytest.approx(theta([0.95, 0.9, 0.9, 0.9], 4))
+    assert value > max(max(expected_throughputs(dspark, SPS)), max(expected_throughputs(lookup, SPS)))
+    assert plan_round(lookup, dspark, SPS, 1)[0] != "hybrid"  # γ = 1 leaves no position after a lookup token
+
+
+def test_plan_tie_goes_to_lookup():
+    c = [0.9, 0.9, 0.9]
+    assert plan_round(c, c, SPS, 3)[0] == "lookup"
+
+
+def test_plan_rejects_bad_estimates():
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        plan_round([1.5], [0.5] * 4, SPS, 4)
+
+
+def test_drafting_state_plans_from_the_text_and_learns():
+    calibration = SequentialTemperatureScaling(temperatures=[1.0] * 4)
+    state = LookupDrafting(calibration, SPS, max_tokens=16)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 1, 2]])
+    assert state.plan(ids, 4, room=10).source == "dspark"  # no block drafted yet
+    state.observe_block(torch.tensor([0.3, 0.3, 0.3, 0.3]))
+    assert state.block_estimate == pytest.approx([0.3] * 4)
+    plan = state.plan(ids, 4, room=3)
+    assert state._match == LookupMatch((3, 4, 5), 2)  # room caps the continuation
+    assert plan.source == "lookup" and plan.lookup_tokens == (3, 4, 5)[: plan.length]
+    state.update(torch.tensor([[1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 9]]), num_matches=2)  # 3, 4 accepted, 9 != 5
+    assert state.acceptance.accepted[2:4] == [1, 1] and state.acceptance.rejected[4] == 1
+    assert state._match is None
+
+
+def test_lookup_enabled_validates():
+    target = cycle_target(1, 0.026)
+    drafter = cycle_drafter(target, "markov")
+    assert lookup_enabled(False, drafter, 4) is False
+    with pytest.raises(ValueError, match="True or False"):
+        lookup_enabled("yes", drafter, 4)
+    with pytest.raises(ValueError, match="dspark calibrate"):
+        lookup_enabled(True, drafter, 4)  # no calibration
+    drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * 3)
+    with pytest.raises(ValueError, match="γ = 4"):
+        lookup_enabled(True, drafter, 4)
+    assert lookup_enabled(True, drafter, 3) is True
+    with pytest.raises(ValueError, match="confidence head"):
+        lookup_enabled(True, cycle_drafter(target, "markov", confidence_head=False), 3)
+
+
+# ---------------------------------------------------------------------------- proposals
+def test_one_hot_logits_are_the_lookup_proposal():
+    logits = one_hot_logits(torch.tensor([2, 0]), 5)
+    assert torch.equal(logits.softmax(-1), torch.eye(5)[[2, 0]])
+
+
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_draft_continues_from_forced_lookup_tokens(head):
+    """The sequential head takes the forced tokens as previous tokens: the cycle drafter predicts f(x) after x."""
+    target = cycle_target(1, 0.026)
+    drafter = cycle_drafter(target, head).bind(target)
+    context = drafter.new_context()
+    drafter.extend_context(context, torch.randn(1, 3, drafter.config.context_width))
+    forced = torch.tensor([5, 9])
+    block = drafter.draft(context, anchor=1, block_size=4, forced_tokens=forced)
+    assert block.tokens.tolist() == [5, 9, int(CYCLE[9]), int(CYCLE[CYCLE[9]])]
+    free = drafter.draft(context, anchor=1, block_size=4)
+    assert free.tokens[0] == CYCLE[1] and not torch.equal(free.confidences[2:], block.confidences[2:])
+    sampled = drafter.draft(context, anchor=1, block_size=4, do_sample=True, forced_tokens=forced)
+    assert sampled.tokens[:2].tolist() == [5, 9]
+    assert torch.equal(sampled.logits[:2].softmax(-1), torch.eye(drafter.config.vocab_size)[[5, 9]])
+    with pytest.raises(ValueError, match="leave a position"):
+        drafter.draft(context, anchor=1, block_size=2, forced_tokens=forced)
