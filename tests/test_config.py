@@ -33,7 +33,7 @@ INVALID = dict(  # values out of each field's domain (the issue's cases among th
     head_dim=[0, 3, -2], intermediate_size=[0, 16.5], block_size=[0, 17, 2.7, True], sequential_head=["lstm", None],
     sequential_rank=[0, -4, 2.5], confidence_head=[1, "yes"], draft_vocab_size=[0, -1, 41],
     verification=["always", ""], confidence_threshold=[-0.1, 1.5, float("nan")], rms_norm_eps=[0.0, -1e-5],
-    rope_theta=[0.0, float("inf"), float("nan")],
+    rope_theta=[0.0, float("inf"), float("nan")], dspark_version=[0, 3], mask_token_id=[-1, 41, 2.0],
 )
 
 
@@ -41,6 +41,8 @@ INVALID = dict(  # values out of each field's domain (the issue's cases among th
 def config_fields(draw) -> dict:
     """Valid fields, then up to two of them replaced by out-of-domain values (about a third stay valid)."""
     fields = {name: draw(strategy) for name, strategy in VALID.items()}
+    fields["dspark_version"] = draw(st.sampled_from([1, 2]))  # v2 needs a mask token, v1 has none
+    fields["mask_token_id"] = draw(st.integers(0, 7)) if fields["dspark_version"] == 2 else None
     for name in draw(st.sets(st.sampled_from(sorted(INVALID)), max_size=2)):
         fields[name] = draw(st.sampled_from(INVALID[name]))
     return fields
@@ -74,6 +76,11 @@ def problems(f: dict) -> set[str]:
     if f["confidence_head"] is not True and f["confidence_head"] is not False:
         bad.add("confidence_head")
     bad |= {k for k in ("rms_norm_eps", "rope_theta") if not 0 < f[k] < float("inf")}
+    if f["dspark_version"] not in (1, 2):
+        bad.add("dspark_version")
+    elif (f["dspark_version"] == 1) != (f["mask_token_id"] is None) or (f["dspark_version"] == 2 and not (
+            is_int(f["mask_token_id"]) and is_int(f["vocab_size"]) and 0 <= f["mask_token_id"] < f["vocab_size"])):
+        bad.add("mask_token_id")
     ids = f["target_layer_ids"]
     if ids is not None and (not ids or len(set(ids)) != len(ids) or any(i < 0 for i in ids)
                             or (is_int(f["target_num_layers"]) and not all(0 <= i < f["target_num_layers"] for i in ids))):
@@ -108,8 +115,8 @@ def test_config_accepts_exactly_the_valid_fields(fields):
 ])
 def test_issue_cases_raise_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
-        DSparkConfig(**{field: value})
+        DSparkConfig(**{field: value, "mask_token_id": 16})  # a valid v2 config but for that field
 
 
 def test_none_layer_ids_means_the_default_spread():
-    assert DSparkConfig(target_layer_ids=None).target_layer_ids == [1, 10, 18, 27]
+    assert DSparkConfig(target_layer_ids=None, mask_token_id=16).target_layer_ids == [1, 10, 18, 27]
