@@ -111,8 +111,8 @@ class GenerationStats:
 
     def token_sources(self) -> dict[str, int]:
         """Where the tokens of the recorded rounds came from: accepted ``lookup`` drafts, accepted ``dspark``
-        drafts, and the ``target``'s own token of each round (bonus or correction). The prefill's first token and
-        a last step with no room to draft are not rounds."""
+        drafts, and the ``target``'s own token of each round (bonus or correction, and the token of a last round
+        with no room to draft). The prefill's first token is not a round: the sources sum to ``new_tokens - 1``."""
         lookup = sum(min(r.accepted, r.lookup) for r in self.rounds)
         accepted = sum(r.accepted for r in self.rounds)
         return dict(lookup=lookup, dspark=accepted - lookup, target=len(self.rounds))

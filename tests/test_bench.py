@@ -197,7 +197,7 @@ def test_runner_end_to_end(tmp_path):
     hybrid = wall["suites"]["b"]["dspark:scheduler+lookup"]
     n_tokens = sum(r["new_tokens"] for r in hybrid["per_prompt"])
     assert hybrid["token_sources"]["target"] == sum(r["rounds"] for r in hybrid["per_prompt"])
-    assert sum(hybrid["token_sources"].values()) in range(n_tokens - 2, n_tokens)  # the prefill (+ a last) step
+    assert sum(hybrid["token_sources"].values()) == n_tokens - len(hybrid["per_prompt"])  # all but the prefill's
     assert hybrid["token_sources"]["lookup"] > 0  # lookup drafts were accepted
     assert wall["suites"]["b"]["dspark:scheduler"]["token_sources"]["lookup"] == 0
     assert wall["suites"]["b"]["plain"]["token_sources"] is None
