@@ -8,30 +8,88 @@ import platform
 import sys
 from pathlib import Path
 
-from .config import VERIFICATION_MODES
+from .config import MAX_BLOCK_SIZE, VERIFICATION_MODES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DRAFTER = REPO_ROOT / "model_cards" / "dspark-smollm2-135m-instruct"
 DEFAULT_TRAIN_CONFIG = REPO_ROOT / "configs" / "dspark-smollm2-135m-instruct.yaml"
 
 
+GAMMA_HELP = (f"block size γ, drafts per round, 1..{MAX_BLOCK_SIZE} (default: the drafter's). The scheduler and async "
+              "modes need a calibration covering γ: the shipped drafter's covers γ <= 7; fixed and threshold modes "
+              f"take any γ up to {MAX_BLOCK_SIZE}")
+
+
+def _int_in(low: int, high: int | None = None):
+    """argparse type: an integer in ``low..high`` (no upper bound when ``high`` is None)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be in {low}..{high if high is not None else ''}, got {value}")
+        return value
+    return parse
+
+
+def _temperature(text: str) -> float:
+    """argparse type: a sampling temperature >= 0 (0 = greedy)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0.0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = greedy decoding), got {text}")
+    return value
+
+
+def _prompt(text: str) -> str:
+    """argparse type: a prompt with some non-blank text."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the prompt is empty; pass the text to answer")
+    return text
+
+
+def check_location(value, option: str) -> None:
+    """Exit with a clear message when ``value`` is neither an existing folder nor a valid Hub id."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if value is None or Path(value).expanduser().exists():
+        return
+    try:
+        validate_repo_id(str(value))
+    except HFValidationError:
+        sys.exit(f"{option} {value}: no such folder, and not a Hub id (ORG/NAME). Pass an existing folder or a Hub id.")
+
+
+def check_prompt_fits(prompt_length: int, max_new_tokens: int, target) -> None:
+    """Exit when the prompt plus ``max_new_tokens`` exceed the target's positions (refused, not truncated)."""
+    limit = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    if limit is not None and prompt_length + max_new_tokens > limit:
+        sys.exit(f"The prompt has {prompt_length} tokens and --max-new-tokens asks for {max_new_tokens} more, but the "
+                 f"target handles {limit} positions: shorten the prompt to at most {limit - max_new_tokens} tokens "
+                 "or lower --max-new-tokens.")
+
+
 def load_cli_target(args):
     """``(target, tokenizer)`` for ``--target``, on oneDNN-prepacked CPU kernels unless ``--stock-kernels``."""
     from .target import load_target
 
+    check_location(args.target, "--target")
     return load_target(args.target, prepack=False if getattr(args, "stock_kernels", False) else None)
 
 
 def _load(args, need_drafter: bool = True):
     from .model import DSparkDrafter
 
-    target, tokenizer = load_cli_target(args)
-    drafter = None
     if need_drafter:
+        check_location(args.drafter, "--drafter")
         path = args.drafter or DEFAULT_DRAFTER
         if args.drafter is None and not Path(path).is_dir():
             sys.exit(f"No drafter at {path}; pass --drafter PATH_OR_HUB_ID.")
-        drafter = DSparkDrafter.from_pretrained(path).bind(target).eval()
+    target, tokenizer = load_cli_target(args)
+    drafter = DSparkDrafter.from_pretrained(path).bind(target).eval() if need_drafter else None
     return target, tokenizer, drafter
 
 
@@ -69,13 +127,17 @@ def cmd_generate(args):
 
     target, tokenizer, drafter = _load(args)
     prompt_ids = chat_ids(tokenizer, args.prompt)
+    check_prompt_fits(len(prompt_ids), args.max_new_tokens, target)
     settings = {"dspark_verification": args.verify, "dspark_block_size": args.gamma, "dspark_lookup": args.lookup or None}
     settings = {k: v for k, v in settings.items() if v is not None}
     streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    if args.compare:  # one short untimed run of each first, so neither timing pays first-call costs
-        timed_generate(target, prompt_ids, 8, args.temperature, drafter, **settings)
-        timed_generate(target, prompt_ids, 8, args.temperature)
-    run = timed_generate(target, prompt_ids, args.max_new_tokens, args.temperature, drafter, streamer, **settings)
+    try:  # DSpark's per-call checks (γ beyond the calibration, a mode the drafter lacks) raise before any compute
+        if args.compare:  # one short untimed run of each first, so neither timing pays first-call costs
+            timed_generate(target, prompt_ids, 8, args.temperature, drafter, **settings)
+            timed_generate(target, prompt_ids, 8, args.temperature)
+        run = timed_generate(target, prompt_ids, args.max_new_tokens, args.temperature, drafter, streamer, **settings)
+    except ValueError as err:
+        sys.exit(f"dspark generate: {err}")
     if drafter.sps_curve is not None and drafter.sps_curve.observations:  # keep what this run taught the curve
         from .profiling import save_sps
 
@@ -245,10 +307,10 @@ def main(argv=None):
 
     p = command("generate", cmd_generate, "generate with DSpark speculative decoding", drafter=True, kernels=True,
                 compute=True)
-    p.add_argument("prompt")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--gamma", type=int, default=None, help="block size γ (default: the drafter's)")
+    p.add_argument("prompt", type=_prompt)
+    p.add_argument("--max-new-tokens", type=_int_in(1), default=128)
+    p.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy; > 0 samples at that temperature")
+    p.add_argument("--gamma", type=_int_in(1, MAX_BLOCK_SIZE), default=None, help=GAMMA_HELP)
     p.add_argument("--verify", choices=VERIFICATION_MODES, default=None, help="verification mode (default: the drafter's config.verification)")
     p.add_argument("--lookup", action="store_true",
                    help="also draft n-gram continuations from the prompt and the text (dspark_lookup=True)")
@@ -279,9 +341,9 @@ def main(argv=None):
 
     p = command("calibrate", cmd_calibrate, "fit Sequential Temperature Scaling on calibration rounds", drafter=True,
                 compute=True)
-    p.add_argument("--prompts", type=int, default=40)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--prompts", type=_int_in(1), default=40)
+    p.add_argument("--max-new-tokens", type=_int_in(1), default=128)
+    p.add_argument("--temperature", type=_temperature, default=0.0)
 
     p = command("export", cmd_export, "write a v2 drafter as a speculators (vLLM) or DeepSpec (SGLang, SpecForge) checkpoint")
     p.add_argument("drafter_dir", help="dspark-hf drafter folder or Hub id")

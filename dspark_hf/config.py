@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 from transformers import PreTrainedConfig
 
 SEQUENTIAL_HEADS = ("none", "markov", "rnn")
@@ -9,6 +12,21 @@ VERIFICATION_MODES = ("scheduler", "async", "fixed", "threshold")
 SCHEDULED_MODES = ("scheduler", "async")  # modes that read calibrated confidences and the SPS curve
 MAX_BLOCK_SIZE = 16
 DSPARK_VERSIONS = (1, 2)  # 1: no QK-norm, learned mask embedding; 2: the reference DSpark architecture
+POSITIVE_INT_FIELDS = (  # DSparkConfig fields that are sizes or counts
+    "vocab_size", "hidden_size", "target_num_layers", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings", "block_size",
+    "sequential_rank",
+)
+POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
+
+
+def is_int(value) -> bool:
+    """A true integer (``bool`` excluded: ``True`` is not a size)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def spread_layer_ids(num_target_layers: int, num_context_layers: int) -> list[int]:
@@ -62,9 +80,13 @@ class DSparkConfig(PreTrainedConfig):
             differs across tokens outside the draft vocabulary.
 
     Raises:
-        ValueError: on an unknown sequential head, γ outside 1..16, layer ids out of range, an unknown
-            ``dspark_version``, or version-inconsistent ``qk_norm``/``mask_token_id`` (the message
-            names the fix).
+        ValueError: a field outside its domain, naming it: sizes and counts must be positive integers
+            (``head_dim`` even for RoPE), ``num_attention_heads`` must divide ``hidden_size`` and
+            ``num_key_value_heads`` must divide ``num_attention_heads``, ``draft_vocab_size`` lie in
+            ``1..vocab_size``, γ in ``1..16``, ``confidence_threshold`` in ``[0, 1]``,
+            ``target_layer_ids`` be a non-empty list of distinct layers of the target, the sequential
+            head / verification mode known names; an unknown ``dspark_version``, or version-inconsistent
+            ``qk_norm``/``mask_token_id`` (the message names the fix).
     """
 
     model_type = "dspark"
@@ -102,7 +124,9 @@ class DSparkConfig(PreTrainedConfig):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.target_num_layers = target_num_layers
-        self.target_layer_ids = list(target_layer_ids or spread_layer_ids(target_num_layers, 4))
+        if target_layer_ids is None:  # only None means "default": an empty list is an error (see _check)
+            target_layer_ids = spread_layer_ids(target_num_layers, 4) if is_int(target_num_layers) else []
+        self.target_layer_ids = list(target_layer_ids)
         self.num_hidden_layers = num_hidden_layers
         self.num_attention_heads = num_attention_heads
         self.num_key_value_heads = num_key_value_heads
@@ -132,6 +156,8 @@ class DSparkConfig(PreTrainedConfig):
         return super().from_dict({"dspark_version": 1, **config_dict}, **kwargs)
 
     def _check(self):
+        """Validate every field where it enters (``__init__``, ``from_pretrained``), naming the field."""
+        self._check_fields()
         if self.dspark_version not in DSPARK_VERSIONS:
             raise ValueError(f"dspark_version must be one of {DSPARK_VERSIONS}, got {self.dspark_version!r}")
         if self.dspark_version >= 2:
@@ -143,7 +169,7 @@ class DSparkConfig(PreTrainedConfig):
                     "whose embedding fills the mask slots (e.g. DSparkConfig.for_target(target, mask_token_id=16) "
                     "for SmolLM2's <empty_output>; dspark_hf.training.reserved_mask_token picks one from a tokenizer)"
                 )
-            if not 0 <= self.mask_token_id < self.vocab_size:
+            if not is_int(self.mask_token_id) or not 0 <= self.mask_token_id < self.vocab_size:
                 raise ValueError(f"mask_token_id {self.mask_token_id} must lie in 0..{self.vocab_size - 1} (a target token id)")
         elif self.qk_norm or self.mask_token_id is not None:
             raise ValueError(
@@ -155,11 +181,44 @@ class DSparkConfig(PreTrainedConfig):
             raise ValueError(f"verification must be one of {VERIFICATION_MODES}, got {self.verification!r}")
         if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"block_size (γ) must be in 1..{MAX_BLOCK_SIZE}, got {self.block_size}")
-        if any(not 0 <= i < self.target_num_layers for i in self.target_layer_ids):
+        ids = self.target_layer_ids
+        if not ids or any(not is_int(i) for i in ids) or len(set(ids)) != len(ids):
+            raise ValueError(f"target_layer_ids must be a non-empty list of distinct layer indices, got {ids!r} "
+                             "(pass None for the default spread)")
+        if any(not 0 <= i < self.target_num_layers for i in ids):
             raise ValueError(
-                f"target_layer_ids {self.target_layer_ids} must lie in 0..{self.target_num_layers - 1} "
+                f"target_layer_ids {ids} must lie in 0..{self.target_num_layers - 1} "
                 "(the target's decoder layers)"
             )
+
+    def _check_fields(self):
+        """Sizes, counts, numbers and flags: each in its domain, or a ValueError naming the field."""
+        for name in POSITIVE_INT_FIELDS:
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even (rotary embeddings rotate pairs of dimensions), got {self.head_dim}")
+        if self.hidden_size % self.num_attention_heads:  # transformers' LlamaConfig (MLP, RoPE) requires it
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
+                             f"({self.num_attention_heads})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_key_value_heads ({self.num_key_value_heads}) must divide num_attention_heads "
+                             f"({self.num_attention_heads}) for grouped-query attention")
+        if self.draft_vocab_size is not None and (
+                not is_int(self.draft_vocab_size) or not 1 <= self.draft_vocab_size <= self.vocab_size):
+            raise ValueError(f"draft_vocab_size must be None (the full vocabulary) or an integer in 1..vocab_size "
+                             f"({self.vocab_size}), got {self.draft_vocab_size!r}")
+        for name in POSITIVE_FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not _is_real(value) or not value > 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if not _is_real(self.initializer_range) or self.initializer_range < 0:
+            raise ValueError(f"initializer_range must be a number >= 0, got {self.initializer_range!r}")
+        if not _is_real(self.confidence_threshold) or not 0.0 <= self.confidence_threshold <= 1.0:
+            raise ValueError(f"confidence_threshold must be a probability in [0, 1], got {self.confidence_threshold!r}")
+        if not isinstance(self.confidence_head, bool):
+            raise ValueError(f"confidence_head must be True or False, got {self.confidence_head!r}")
 
     @property
     def context_width(self) -> int:

@@ -448,6 +448,13 @@ def confidence_curve(rounds: list[RoundView], calibration=None) -> list[dict]:
     return rows
 
 
+def gamma_limits(drafter) -> str:
+    """Which γ each verification mode accepts with ``drafter`` (scheduler/async: at most its calibrated positions)."""
+    calibrated = len(drafter.calibration.temperatures) if drafter.calibration is not None else 0
+    scheduled = f"scheduler/async: γ ≤ {calibrated} (its calibration)" if calibrated else "scheduler/async: need a calibration"
+    return f"1..{MAX_BLOCK_SIZE} in fixed/threshold mode; {scheduled}"
+
+
 def _stat(key: str, value, label: str) -> str:
     shown = "–" if value is None else (f"{value:.2f}" if isinstance(value, float) else str(value))
     return f'<div class="stat" data-stat="{key}"><span class="v">{shown}</span><span class="k">{label}</span></div>'
@@ -684,7 +691,8 @@ def build_app(target, tokenizer, drafter, *, title: str = "DSpark speculative de
                 temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)",
                                         elem_id="dspark-temperature")
                 gamma = gr.Slider(1, MAX_BLOCK_SIZE, value=drafter.config.block_size, step=1,
-                                  label="γ (dspark_block_size): drafts per round", elem_id="dspark-gamma")
+                                  label="γ (dspark_block_size): drafts per round", info=gamma_limits(drafter),
+                                  elem_id="dspark-gamma")
                 mode = gr.Radio(list(VERIFICATION_MODES), value=mode0, label="verification (dspark_verification)",
                                 info="available with this drafter: " + ", ".join(modes), elem_id="dspark-mode")
                 threshold = gr.Slider(0.0, 1.0, value=drafter.config.confidence_threshold, step=0.01,

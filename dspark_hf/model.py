@@ -46,6 +46,43 @@ def _llama_config(config: DSparkConfig) -> LlamaConfig:
     )
 
 
+def _lm_head_weight(head) -> torch.Tensor:
+    """The ``[V, d]`` floating-point weight of a target's lm_head, which the drafter shares (paper §2.2).
+
+    Raises:
+        TypeError: ``head`` has no such tensor (a quantized module exposes ``weight`` as a method or an
+            integer tensor); the message says what is supported.
+    """
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dim() != 2:
+        raise TypeError(
+            f"DSpark reads the target's lm_head rows directly, so the lm_head must be a module with a floating-point "
+            f"[vocab, hidden] `weight` tensor (nn.Linear in float32/bfloat16/float16); got {type(head).__module__}."
+            f"{type(head).__name__}. Use an unquantized (float32/bfloat16/float16) target."
+        )
+    return weight
+
+
+def _check_row_independent(target):
+    """Refuse targets whose token logits depend on the OTHER tokens of a forward (verification would not be lossless).
+
+    ``torch.ao`` dynamic quantization computes one activation scale per forward over all its tokens, so the
+    verification forward's logits at a position depend on the values of the drafts after it, and acceptance
+    would depend on draft values (paper Appendix A). Float kernels (any batch size) are row-independent.
+
+    Raises:
+        TypeError: a dynamically quantized module is found; the message names what is supported.
+    """
+    dynamic = sorted({type(m).__name__ for m in target.modules() if type(m).__module__.startswith("torch.ao.nn.quantized.dynamic")})
+    if dynamic:
+        raise TypeError(
+            f"The target has dynamically quantized modules ({', '.join(dynamic)}: torch.ao quantize_dynamic). Their "
+            "activation scale is computed over all tokens of a forward, so a verified token's logits would depend on "
+            "the drafts verified with it and speculative decoding would not be lossless. Use a float32/bfloat16/float16 "
+            "target, or a weight-only quantization whose tokens are computed independently."
+        )
+
+
 class DSparkAttention(nn.Module):
     """GQA attention whose keys/values are ``[W_K H_ctx ; W_K H_d]`` (eq. 3).
 
@@ -282,8 +319,12 @@ class DSparkDrafter(PreTrainedModel):
         """Attach ``target``'s frozen embedding and lm_head (referenced, not copied or saved).
 
         Also moves the drafter to the target's device and dtype. Binding the same target twice is free.
+        Works inside ``torch.inference_mode()`` and ``torch.no_grad()``: the shared rows are normal tensors.
 
         Raises:
+            TypeError: the target's lm_head has no floating-point ``[V, d]`` weight tensor (e.g. a
+                ``torch.ao`` int8 dynamically quantized ``Linear``): the drafter reads its rows (paper §2.2);
+                or the target has dynamically quantized layers (their logits are not row-independent).
             ValueError: vocabulary size, hidden size or context layers do not fit ``target`` (the
                 message names the fix: train a drafter for this target).
         Warns:
@@ -294,9 +335,11 @@ class DSparkDrafter(PreTrainedModel):
             return self
         tc = target.config.get_text_config()
         head, embed = target.get_output_embeddings(), target.get_input_embeddings()
+        weight = _lm_head_weight(head)
+        _check_row_independent(target)
         fix = "Use a drafter trained for this target, or train one with `dspark train`."
-        if head.weight.shape[0] != self.config.vocab_size:
-            raise ValueError(f"Vocabulary mismatch: target lm_head has {head.weight.shape[0]} rows, drafter expects {self.config.vocab_size}. {fix}")
+        if weight.shape[0] != self.config.vocab_size:
+            raise ValueError(f"Vocabulary mismatch: target lm_head has {weight.shape[0]} rows, drafter expects {self.config.vocab_size}. {fix}")
         if tc.hidden_size != self.config.hidden_size:
             raise ValueError(f"Hidden-size mismatch: target d={tc.hidden_size}, drafter d={self.config.hidden_size}. {fix}")
         if max(self.config.target_layer_ids) >= tc.num_hidden_layers:
@@ -304,14 +347,16 @@ class DSparkDrafter(PreTrainedModel):
         name = tc._name_or_path
         if self.config.target_name_or_path and name and name != self.config.target_name_or_path:
             warnings.warn(f"Drafter was trained for {self.config.target_name_or_path!r} but is bound to {name!r}; acceptance may be low.")
-        self.to(device=head.weight.device, dtype=head.weight.dtype)
-        self.__dict__["_bound_target"] = target
-        with torch.no_grad():
-            rows = head.weight if self.draft_vocab.numel() == head.weight.shape[0] else head.weight[self.draft_vocab]
-        packed = None
-        if is_prepacked(head):  # CPU: the target's kernels (dspark_hf.kernels); all rows: reuse the head's packed copy
-            packed = getattr(head, PACKED_ATTR) if rows is head.weight else PackedWeight(rows)
+        # inference_mode(False): under `torch.inference_mode()` new tensors would be inference tensors, which
+        # have no version counter (the packed kernels key on it) and cannot be used by later training.
+        with torch.inference_mode(False), torch.no_grad():
+            self.to(device=weight.device, dtype=weight.dtype)
+            rows = weight if self.draft_vocab.numel() == weight.shape[0] else weight[self.draft_vocab]
+            packed = None
+            if is_prepacked(head):  # CPU: the target's kernels (dspark_hf.kernels); all rows: reuse the head's packed copy
+                packed = getattr(head, PACKED_ATTR) if rows is weight else PackedWeight(rows)
         self.__dict__["_shared"] = (embed, rows.detach(), packed)
+        self.__dict__["_bound_target"] = target  # last: a failed bind leaves the drafter unbound
         return self
 
     def _require_bound(self):
@@ -514,3 +559,18 @@ class DraftOutput:
     logits: torch.Tensor
     confidence_logits: torch.Tensor | None
     hidden: torch.Tensor
+
+
+def _route_remote_copy() -> None:
+    """This file also ships with each drafter for ``trust_remote_code`` (``hub.py``). Loaded that way, import the
+    installed ``dspark_hf`` so ``target.generate(assistant_model=drafter)`` is routed as after ``import dspark_hf``."""
+    if not __package__ or __package__.split(".")[0] == "dspark_hf":
+        return
+    try:
+        import dspark_hf  # noqa: F401  (importing it installs the generate() routing)
+    except ImportError:
+        warnings.warn("This DSpark drafter was loaded with trust_remote_code, but generate(assistant_model=drafter) "
+                      "needs the dspark-hf package to route it: pip install dspark-hf.")
+
+
+_route_remote_copy()

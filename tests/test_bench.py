@@ -197,7 +197,7 @@ def test_runner_end_to_end(tmp_path):
     hybrid = wall["suites"]["b"]["dspark:scheduler+lookup"]
     n_tokens = sum(r["new_tokens"] for r in hybrid["per_prompt"])
     assert hybrid["token_sources"]["target"] == sum(r["rounds"] for r in hybrid["per_prompt"])
-    assert sum(hybrid["token_sources"].values()) in range(n_tokens - 2, n_tokens)  # the prefill (+ a last) step
+    assert sum(hybrid["token_sources"].values()) == n_tokens - len(hybrid["per_prompt"])  # all but the prefill's
     assert hybrid["token_sources"]["lookup"] > 0  # lookup drafts were accepted
     assert wall["suites"]["b"]["dspark:scheduler"]["token_sources"]["lookup"] == 0
     assert wall["suites"]["b"]["plain"]["token_sources"] is None
@@ -213,10 +213,11 @@ def test_runner_end_to_end(tmp_path):
     assert wall["mismatches_total"] == 0, wall["mismatches"]  # greedy speculative output == plain generate
     assert result["builtin_dflash"]["status"] == "adapted"
     # full draft vocabulary: the built-in path drafts what the drafter's own fixed path drafts
+    # (the built-in path counts drafted blocks; DSpark's stats also count a last verification without a draft)
     for suite in suites:
         builtin = wall["suites"][suite]["dflash:builtin-dflash"]["per_prompt"]
-        own = wall["suites"][suite]["dflash:fixed"]["per_prompt"]
-        assert [r["rounds"] for r in builtin] == [r["rounds"] for r in own]
+        own = raw["stats"]["greedy"]["dflash"][suite]  # the dflash:fixed runs' statistics, prompt by prompt
+        assert [r["rounds"] for r in builtin] == [sum(r.drafted > 0 for r in st.rounds) for st in own]
     assert result["round_cost"]["dspark:fixed"]["median_draft_ms"] > 0
 
     path = bench.write_report(result, raw, tmp_path, drafters)

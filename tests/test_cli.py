@@ -1,4 +1,7 @@
-"""The `dspark` command line: options every compute command shares."""
+"""The `dspark` command line: options every compute command shares, and bad inputs refused with a clear message
+before any model loads (issue 15, class 4)."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -31,3 +34,67 @@ def test_threads_must_be_positive(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         cli.main(["profile", "--threads", "0"])
     assert "--threads must be >= 1" in capsys.readouterr().err
+
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Any model load fails the test: the checks must come first."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr("dspark_hf.target.load_target", refuse)
+    monkeypatch.setattr("dspark_hf.model.DSparkDrafter.from_pretrained", refuse)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["generate", "hi", "--gamma", "0"], "--gamma: must be in 1..16"),
+    (["generate", "hi", "--gamma", "17"], "--gamma: must be in 1..16"),
+    (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens: must be in 1.."),
+    (["generate", "hi", "--temperature", "-1"], "--temperature: must be >= 0"),
+    (["generate", "hi", "--temperature", "nan"], "--temperature: must be >= 0"),
+    (["generate", "   "], "the prompt is empty"),
+    (["calibrate", "--temperature", "-0.5"], "--temperature: must be >= 0"),
+])
+def test_bad_arguments_are_refused_by_the_parser(no_loading, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["generate", "hi", "--drafter", "/nonexistent"], "--drafter /nonexistent: no such folder, and not a Hub id"),
+    (["generate", "hi", "--target", "./no/such/dir"], "--target ./no/such/dir: no such folder, and not a Hub id"),
+])
+def test_missing_folders_are_named(no_loading, argv, message):
+    with pytest.raises(SystemExit, match=message):
+        cli.main(argv)
+
+
+def test_gamma_help_states_the_limits(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "1..16" in help_text and "γ <= 7" in help_text
+
+
+def fake_target(positions: int):
+    return SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: SimpleNamespace(max_position_embeddings=positions)))
+
+
+def test_prompt_longer_than_the_target_is_refused(monkeypatch):
+    monkeypatch.setattr(cli, "_load", lambda args: (fake_target(8192), None, None))
+    monkeypatch.setattr("dspark_hf.data.chat_ids", lambda tokenizer, prompt: list(range(8190)))
+    monkeypatch.setattr("dspark_hf.evaluation.timed_generate", lambda *a, **k: pytest.fail("generate ran"))
+    with pytest.raises(SystemExit, match="8190 tokens.*128 more.*8192 positions.*at most 8064 tokens"):
+        cli.main(["generate", "x" * 10, "--json"])
+    cli.check_prompt_fits(8064, 128, fake_target(8192))  # exactly fits: no exit
+
+
+def test_gamma_beyond_the_calibration_is_a_clean_error():
+    """The shipped drafter (async mode, calibration fitted at γ = 7) with --gamma 8: a message, no traceback."""
+    if not cli.DEFAULT_DRAFTER.is_dir():
+        pytest.skip("the shipped drafter is not in this checkout")
+    with pytest.raises(SystemExit, match="calibration covers 7 positions but dspark_block_size is 8"):
+        cli.main(["generate", "hi", "--gamma", "8", "--max-new-tokens", "2", "--json"])

@@ -101,10 +101,13 @@ def check_stats(drafter, out, prompt_len, max_new, gamma, mode, threshold=THRESH
     max_length = prompt_len + max_new
     length = prompt_len + 1  # the prefill step emits the first token; no round is recorded for it
     previous = None  # "async": calibrated confidences of the previous round (paper §5.2)
-    for r in stats.rounds:
-        assert r.drafted == min(gamma, max_length - length - 1) >= 1
+    for i, r in enumerate(stats.rounds):
+        assert r.drafted == min(gamma, max_length - length - 1) >= 0
+        assert r.drafted >= 1 or i == len(stats.rounds) - 1  # a round without drafts is only the last verification
         assert 0 <= r.accepted <= r.scheduled <= r.drafted
-        if mode == "fixed":
+        if r.drafted == 0:
+            assert r.scheduled == 0 and r.draft_tokens == [] and r.confidences == []
+        elif mode == "fixed":
             assert r.scheduled == r.drafted
         else:
             assert len(r.confidences) == r.drafted
@@ -120,9 +123,8 @@ def check_stats(drafter, out, prompt_len, max_new, gamma, mode, threshold=THRESH
                     assert r.scheduled == expected
                     previous = c
         length += r.accepted + 1
-    tail = out.shape[1] - length
-    # after the last round only a single no-room-to-draft step (one token left) may remain
-    assert tail == 0 or (tail == 1 and length == max_length - 1), (tail, length, max_length)
+    assert out.shape[1] == length, "every generated token belongs to the prefill or to exactly one round"
+    assert stats.new_tokens == out.shape[1] - prompt_len
     if stats.rounds:
         assert stats.tau == pytest.approx(sum(r.accepted + 1 for r in stats.rounds) / len(stats.rounds))
     assert stats.verification == mode
@@ -542,7 +544,7 @@ def sample_tables(target, prompt, drafter, mode, n, first_rounds=None, **kwargs)
         accepting += rounds[0].accepted >= 1
         verifying += rounds[0].scheduled >= 1
         # "async" verifies all of round 1 and plans round 2 from it; the other modes decide in round 1
-        lengths |= {r.scheduled for r in (rounds[1:] if mode == "async" else rounds[:1])}
+        lengths |= {r.scheduled for r in (rounds[1:] if mode == "async" else rounds[:1]) if r.drafted}
     return (first_pair, second_pair), accepting / max(verifying, 1), lengths
 
 
@@ -645,9 +647,13 @@ def check_lookup_stats(drafter, out, prompt_len, max_new, gamma, mode):
     state = LookupDrafting(drafter.calibration, drafter.sps_curve.steps_per_s, MAX_BLOCK_SIZE)
     max_length = prompt_len + max_new
     length, previous, sources = prompt_len + 1, None, []
-    for r in stats.rounds:
+    for i, r in enumerate(stats.rounds):
         room = max_length - length - 1
         gamma_r = min(gamma, room)
+        if gamma_r == 0:  # the last verification, without room for a draft (nothing is planned)
+            assert i == len(stats.rounds) - 1 and r.drafted == r.scheduled == r.accepted == r.lookup == 0
+            length += 1
+            continue
         plan = state.plan(out[:, :length], gamma_r, room)
         k = len(plan.lookup_tokens)
         assert (r.lookup, r.draft_tokens[:k]) == (k, list(plan.lookup_tokens)), (plan, r)
@@ -666,8 +672,7 @@ def check_lookup_stats(drafter, out, prompt_len, max_new, gamma, mode):
         state.update(out[:, :length + r.accepted + 1], r.accepted)
         sources.append(plan.source)
         length += r.accepted + 1
-    tail = out.shape[1] - length
-    assert tail == 0 or (tail == 1 and length == max_length - 1), (tail, length, max_length)
+    assert out.shape[1] == length == prompt_len + stats.new_tokens, "every token: the prefill's or one round's"
     found = stats.token_sources()
     assert found == dict(lookup=sum(min(r.accepted, r.lookup) for r in stats.rounds),
                          dspark=sum(r.accepted - min(r.accepted, r.lookup) for r in stats.rounds),

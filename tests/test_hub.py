@@ -266,10 +266,12 @@ FRESH = textwrap.dedent("""
     result["remote_class"] = type(drafter).__module__.startswith("transformers_modules") and type(drafter).__name__
     result["weights_equal"] = all(torch.equal(state[k], v) for k, v in saved.items())
     result["calibration"] = drafter.calibration is not None
-    result["imported_before_generate"] = "dspark_hf" in sys.modules
+    result["routed_by_remote_load"] = "dspark_hf" in sys.modules  # the remote model.py imports the installed package
     target = LlamaForCausalLM.from_pretrained(target_dir).eval()
     ids = torch.randint(1, 64, (1, 6), generator=torch.Generator().manual_seed(1))
     plain = target.generate(ids, max_new_tokens=16, do_sample=False)
+    out = target.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=drafter, dspark_verification="fixed")
+    result["assistant_model"] = torch.equal(out, plain) and len(drafter.last_stats.rounds) > 0
     for name, location in (("folder", card), ("repo_id", repo_id)):
         out = target.generate(ids, max_new_tokens=16, do_sample=False, custom_generate=location,
                               trust_remote_code=True, dspark_verification="fixed")
@@ -282,8 +284,9 @@ FRESH = textwrap.dedent("""
 
 
 def test_fresh_process_without_dspark_import(saved, hub_cache, tmp_path):
-    """trust_remote_code loads the drafter, and custom_generate (by folder and by Hub id) decodes
-    token-identically to plain generate, in a process that never imports dspark_hf itself."""
+    """trust_remote_code loads the drafter, and both assistant_model= and custom_generate (by folder and by Hub id)
+    decode token-identically to plain generate, in a process whose code never imports dspark_hf itself (the
+    remote model.py imports the installed package, which routes the remote class)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache), "HF_MODULES_CACHE": str(tmp_path),
            "PYTHONPATH": str(Path(dspark_hf.__file__).resolve().parent.parent), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, "-c", FRESH, str(saved / "card"), str(saved / "target"), REPO_ID],
@@ -291,8 +294,8 @@ def test_fresh_process_without_dspark_import(saved, hub_cache, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
     assert result["remote_class"] == "DSparkDrafter" and result["weights_equal"] and result["calibration"]
-    assert result["imported_before_generate"] is False
-    assert result["folder"] and result["repo_id"]
+    assert result["routed_by_remote_load"] is True
+    assert result["assistant_model"] and result["folder"] and result["repo_id"]
     assert result["drafters"] == sorted([str(saved / "card"), REPO_ID])  # each call found its own repo
     assert all(r > 0 for r in result["rounds"])
 

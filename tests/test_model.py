@@ -429,7 +429,8 @@ def test_auto_classes_resolve_dspark(target, tmp_path):
 
 # ---------------------------------------------------------------------------- v2 vs v1 (issue #11)
 def test_config_versions_validate_with_the_fix_named():
-    shapes = dict(vocab_size=V, hidden_size=D, target_num_layers=6, target_layer_ids=[1, 3])
+    shapes = dict(vocab_size=V, hidden_size=D, target_num_layers=6, target_layer_ids=[1, 3], num_attention_heads=4,
+                  num_key_value_heads=2)  # heads that divide D (DSparkConfig checks it)
     assert DSparkConfig(**shapes, mask_token_id=5).qk_norm is True
     assert DSparkConfig(**shapes, dspark_version=1).qk_norm is False
     with pytest.raises(ValueError, match="needs mask_token_id.*for_target"):

@@ -30,12 +30,13 @@ class RNNHead(nn.Module):
 
     ``z_k = [s_{k-1}; W1[x_{k-1}]; h_k]``; one linear map gives gate, candidate and output parts;
     ``s_k = σ(g) ⊙ s_{k-1} + (1 - σ(g)) ⊙ tanh(c)`` and ``B_k = tanh(o) W2``, with ``s_0 = 0``.
+    ``bias``: the joint projection has a bias (v2, as the reference heads); v1 drafters have none.
     """
 
-    def __init__(self, hidden: int, rank: int, vocab: int):
+    def __init__(self, hidden: int, rank: int, vocab: int, bias: bool = True):
         super().__init__()
         self.rank = rank
-        self.gates = nn.Linear(2 * rank + hidden, 3 * rank, bias=False)
+        self.gates = nn.Linear(2 * rank + hidden, 3 * rank, bias=bias)
         self.w2 = nn.Linear(rank, vocab, bias=False)
 
     def initial_state(self, like: torch.Tensor) -> torch.Tensor:
@@ -55,11 +56,14 @@ class RNNHead(nn.Module):
 
 
 class ConfidenceHead(nn.Module):
-    """``c_k = σ(wᵀ [h_k ; W1[x_{k-1}]])`` (eq. 7): P(draft k survives | drafts < k survived)."""
+    """``c_k = σ(wᵀ [h_k ; W1[x_{k-1}]] + b)`` (eq. 7): P(draft k survives | drafts < k survived).
 
-    def __init__(self, hidden: int, rank: int):
+    ``bias``: whether ``b`` exists (v2, as the reference heads); v1 drafters have none.
+    """
+
+    def __init__(self, hidden: int, rank: int, bias: bool = True):
         super().__init__()
-        self.proj = nn.Linear(hidden + rank, 1, bias=False)
+        self.proj = nn.Linear(hidden + rank, 1, bias=bias)
 
     def forward(self, hidden: torch.Tensor, prev_embedding: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[..., d]``, ``prev_embedding`` ``[..., r]`` -> confidence LOGITS ``[...]``."""

@@ -43,8 +43,49 @@ def _llama_config(config: DSparkConfig) -> LlamaConfig:
     )
 
 
+def _lm_head_weight(head) -> torch.Tensor:
+    """The ``[V, d]`` floating-point weight of a target's lm_head, which the drafter shares (paper §2.2).
+
+    Raises:
+        TypeError: ``head`` has no such tensor (a quantized module exposes ``weight`` as a method or an
+            integer tensor); the message says what is supported.
+    """
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dim() != 2:
+        raise TypeError(
+            f"DSpark reads the target's lm_head rows directly, so the lm_head must be a module with a floating-point "
+            f"[vocab, hidden] `weight` tensor (nn.Linear in float32/bfloat16/float16); got {type(head).__module__}."
+            f"{type(head).__name__}. Use an unquantized (float32/bfloat16/float16) target."
+        )
+    return weight
+
+
+def _check_row_independent(target):
+    """Refuse targets whose token logits depend on the OTHER tokens of a forward (verification would not be lossless).
+
+    ``torch.ao`` dynamic quantization computes one activation scale per forward over all its tokens, so the
+    verification forward's logits at a position depend on the values of the drafts after it, and acceptance
+    would depend on draft values (paper Appendix A). Float kernels (any batch size) are row-independent.
+
+    Raises:
+        TypeError: a dynamically quantized module is found; the message names what is supported.
+    """
+    dynamic = sorted({type(m).__name__ for m in target.modules() if type(m).__module__.startswith("torch.ao.nn.quantized.dynamic")})
+    if dynamic:
+        raise TypeError(
+            f"The target has dynamically quantized modules ({', '.join(dynamic)}: torch.ao quantize_dynamic). Their "
+            "activation scale is computed over all tokens of a forward, so a verified token's logits would depend on "
+            "the drafts verified with it and speculative decoding would not be lossless. Use a float32/bfloat16/float16 "
+            "target, or a weight-only quantization whose tokens are computed independently."
+        )
+
+
 class DSparkAttention(nn.Module):
-    """GQA attention whose keys/values are ``[W_K H_ctx ; W_K H_d]`` (eq. 3)."""
+    """GQA attention whose keys/values are ``[W_K H_ctx ; W_K H_d]`` (eq. 3).
+
+    With ``config.qk_norm`` (v2), queries and keys (block and context keys alike) go through a
+    per-head RMSNorm (``q_norm``/``k_norm``, weight ``[head_dim]``, Qwen3 style) before RoPE.
+    """
 
     def __init__(self, config: DSparkConfig):
         super().__init__()
@@ -54,13 +95,17 @@ class DSparkAttention(nn.Module):
         self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
+        self.q_norm = LlamaRMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = LlamaRMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
 
-    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        return x.view(*x.shape[:2], n, self.head_dim).transpose(1, 2)
+    def _heads(self, x: torch.Tensor, n: int, norm: nn.Module | None = None) -> torch.Tensor:
+        """``[B, n, heads*hd]`` -> ``[B, heads, n, hd]``, per-head RMS-normed by ``norm`` when given."""
+        x = x.view(*x.shape[:2], n, self.head_dim)
+        return (x if norm is None else norm(x)).transpose(1, 2)
 
     def key_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Rotary keys and values of ``x`` ``[B, n, d]`` -> two ``[B, kv_heads, n, head_dim]``."""
-        k = self._heads(self.k_proj(x), self.num_kv_heads)
+        k = self._heads(self.k_proj(x), self.num_kv_heads, self.k_norm)
         v = self._heads(self.v_proj(x), self.num_kv_heads)
         k, _ = apply_rotary_pos_emb(k, k, cos, sin)
         return k, v
@@ -71,7 +116,7 @@ class DSparkAttention(nn.Module):
         With ``anchors`` ``[B, A]`` (training), ``x`` packs ``A`` blocks of ``γ = q / A`` positions:
         block ``b`` sees context positions ``< anchors[:, b]`` and its own γ positions only.
         """
-        q = self._heads(self.q_proj(x), self.num_heads)
+        q = self._heads(self.q_proj(x), self.num_heads, self.q_norm)
         q, _ = apply_rotary_pos_emb(q, q, cos, sin)
         k, v = self.key_values(x, cos, sin)
         if anchors is None:
@@ -175,17 +220,19 @@ class DSparkDrafter(PreTrainedModel):
         self.last_stats = None  # per-round statistics of the last generate() call
         d, r = config.hidden_size, config.sequential_rank
         vocab = config.draft_vocab_size or config.vocab_size
+        v2 = config.dspark_version >= 2
         self.context_proj = nn.Linear(config.context_width, d, bias=False)  # W_c, eq. 2
         self.context_norm = LlamaRMSNorm(d, config.rms_norm_eps)
-        self.mask_embedding = nn.Parameter(torch.zeros(d))
+        # v1: a learned mask vector; v2: the target's frozen embedding of config.mask_token_id
+        self.mask_embedding = nn.Parameter(torch.zeros(d)) if config.mask_token_id is None else None
         self.layers = nn.ModuleList(DSparkLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = LlamaRMSNorm(d, config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(_llama_config(config))
         self.token_table = nn.Embedding(vocab + 1, r) if config.uses_token_table else None  # W1
-        self.sequential = {"none": lambda: None, "markov": lambda: MarkovHead(r, vocab), "rnn": lambda: RNNHead(d, r, vocab)}[
+        self.sequential = {"none": lambda: None, "markov": lambda: MarkovHead(r, vocab), "rnn": lambda: RNNHead(d, r, vocab, bias=v2)}[
             config.sequential_head
         ]()
-        self.confidence = ConfidenceHead(d, r) if config.confidence_head else None
+        self.confidence = ConfidenceHead(d, r, bias=v2) if config.confidence_head else None
         self.register_buffer("draft_vocab", torch.arange(vocab), persistent=config.draft_vocab_size is not None)
         self.register_buffer("vocab_index", self._vocab_index(), persistent=False)
         self.post_init()
@@ -207,12 +254,13 @@ class DSparkDrafter(PreTrainedModel):
 
     def _init_weights(self, module):
         """transformers' defaults (normal linears/embeddings, unit norms, RoPE buffers), then zero ``W2``
-        so an untrained sequential head adds no bias, and a small random mask embedding."""
+        so an untrained sequential head adds no bias, and (v1) a small random mask embedding."""
         super()._init_weights(module)
         if isinstance(module, (MarkovHead, RNNHead)):
             init.zeros_(module.w2.weight)
         elif isinstance(module, DSparkDrafter):
-            init.normal_(module.mask_embedding, std=self.config.initializer_range)
+            if module.mask_embedding is not None:
+                init.normal_(module.mask_embedding, std=self.config.initializer_range)
             init.copy_(module.draft_vocab, torch.arange(module.draft_vocab.numel(), device=module.draft_vocab.device))  # non-persistent when V' = V: from_pretrained leaves it uninitialised
 
     @classmethod
@@ -251,8 +299,12 @@ class DSparkDrafter(PreTrainedModel):
         """Attach ``target``'s frozen embedding and lm_head (referenced, not copied or saved).
 
         Also moves the drafter to the target's device and dtype. Binding the same target twice is free.
+        Works inside ``torch.inference_mode()`` and ``torch.no_grad()``: the shared rows are normal tensors.
 
         Raises:
+            TypeError: the target's lm_head has no floating-point ``[V, d]`` weight tensor (e.g. a
+                ``torch.ao`` int8 dynamically quantized ``Linear``): the drafter reads its rows (paper §2.2);
+                or the target has dynamically quantized layers (their logits are not row-independent).
             ValueError: vocabulary size, hidden size or context layers do not fit ``target`` (the
                 message names the fix: train a drafter for this target).
         Warns:
@@ -263,9 +315,11 @@ class DSparkDrafter(PreTrainedModel):
             return self
         tc = target.config.get_text_config()
         head, embed = target.get_output_embeddings(), target.get_input_embeddings()
+        weight = _lm_head_weight(head)
+        _check_row_independent(target)
         fix = "Use a drafter trained for this target, or train one with `dspark train`."
-        if head.weight.shape[0] != self.config.vocab_size:
-            raise ValueError(f"Vocabulary mismatch: target lm_head has {head.weight.shape[0]} rows, drafter expects {self.config.vocab_size}. {fix}")
+        if weight.shape[0] != self.config.vocab_size:
+            raise ValueError(f"Vocabulary mismatch: target lm_head has {weight.shape[0]} rows, drafter expects {self.config.vocab_size}. {fix}")
         if tc.hidden_size != self.config.hidden_size:
             raise ValueError(f"Hidden-size mismatch: target d={tc.hidden_size}, drafter d={self.config.hidden_size}. {fix}")
         if max(self.config.target_layer_ids) >= tc.num_hidden_layers:
@@ -273,14 +327,16 @@ class DSparkDrafter(PreTrainedModel):
         name = tc._name_or_path
         if self.config.target_name_or_path and name and name != self.config.target_name_or_path:
             warnings.warn(f"Drafter was trained for {self.config.target_name_or_path!r} but is bound to {name!r}; acceptance may be low.")
-        self.to(device=head.weight.device, dtype=head.weight.dtype)
-        self.__dict__["_bound_target"] = target
-        with torch.no_grad():
-            rows = head.weight if self.draft_vocab.numel() == head.weight.shape[0] else head.weight[self.draft_vocab]
-        packed = None
-        if is_prepacked(head):  # CPU: the target's kernels (dspark_hf.kernels); all rows: reuse the head's packed copy
-            packed = getattr(head, PACKED_ATTR) if rows is head.weight else PackedWeight(rows)
+        # inference_mode(False): under `torch.inference_mode()` new tensors would be inference tensors, which
+        # have no version counter (the packed kernels key on it) and cannot be used by later training.
+        with torch.inference_mode(False), torch.no_grad():
+            self.to(device=weight.device, dtype=weight.dtype)
+            rows = weight if self.draft_vocab.numel() == weight.shape[0] else weight[self.draft_vocab]
+            packed = None
+            if is_prepacked(head):  # CPU: the target's kernels (dspark_hf.kernels); all rows: reuse the head's packed copy
+                packed = getattr(head, PACKED_ATTR) if rows is weight else PackedWeight(rows)
         self.__dict__["_shared"] = (embed, rows.detach(), packed)
+        self.__dict__["_bound_target"] = target  # last: a failed bind leaves the drafter unbound
         return self
 
     def _require_bound(self):
@@ -326,10 +382,22 @@ class DSparkDrafter(PreTrainedModel):
         return self.norm(x)
 
     def block_embeddings(self, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-        """``anchors`` ``[...]`` -> ``[..., γ, d]``: anchor embedding followed by γ-1 mask embeddings."""
-        first = self.embed_tokens(anchors).unsqueeze(-2).to(self.mask_embedding.dtype)
-        masks = self.mask_embedding.expand(*anchors.shape, block_size - 1, -1)
+        """``anchors`` ``[...]`` -> ``[..., γ, d]``: anchor embedding followed by γ-1 mask embeddings.
+
+        The mask slots hold the target's frozen embedding of ``config.mask_token_id`` (v2) or the
+        learned ``mask_embedding`` (v1).
+        """
+        first = self.embed_tokens(anchors).unsqueeze(-2).to(self.context_proj.weight.dtype)
+        masks = self.mask_vector().expand(*anchors.shape, block_size - 1, -1)
         return torch.cat([first, masks], dim=-2)
+
+    def mask_vector(self) -> torch.Tensor:
+        """``[d]`` input of every mask slot: the target's embedding of ``config.mask_token_id`` (v2) or
+        the learned ``mask_embedding`` (v1), in the drafter's dtype."""
+        if self.mask_embedding is not None:
+            return self.mask_embedding
+        mask_id = torch.tensor(self.config.mask_token_id, device=self.context_proj.weight.device)
+        return self.embed_tokens(mask_id).to(self.context_proj.weight.dtype)
 
     def token_embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """``W1[x]`` for target ids ``[...]`` -> ``[..., r]`` (out-of-draft-vocab ids share one row)."""
@@ -392,7 +460,8 @@ class DSparkDrafter(PreTrainedModel):
 
     @torch.no_grad()
     def draft(self, context: DraftContext, anchor: int, block_size: int | None = None, do_sample=False,
-              logits_processor=None, prefix_ids: torch.Tensor | None = None, generator=None) -> DraftBlock:
+              logits_processor=None, prefix_ids: torch.Tensor | None = None, generator=None,
+              forced_tokens: torch.Tensor | None = None) -> DraftBlock:
         """Draft one block after ``context`` (paper Fig. 1): one backbone pass, then left-to-right heads.
 
         Args:
@@ -402,12 +471,23 @@ class DSparkDrafter(PreTrainedModel):
             do_sample: sample each ``x_k`` from ``softmax(logits_k)``; else argmax.
             logits_processor: a ``LogitsProcessorList`` applied to each position's full-vocab logits
                 (given ``prefix_ids`` ``[1, L]`` + the drafts so far), as the target applies it.
+            forced_tokens: ``[k]`` ids (``k < γ``) taken as the first k drafts instead of drafting them (prompt
+                lookup tokens, :mod:`dspark_hf.lookup`); later positions are drafted with them as previous
+                tokens (heads, eqs. 4-7). Their logits rows are one-hot (0 at the id, ``-inf`` elsewhere): the
+                deterministic proposal they are.
 
         Returns:
             :class:`DraftBlock` (``tokens`` ``[γ]``, ``logits`` ``[γ, V]``, ``confidences`` ``[γ]``).
+
+        Raises:
+            ValueError: ``forced_tokens`` leaves no position to draft.
         """
         gamma = block_size or self.config.block_size
-        device = self.mask_embedding.device
+        device = self.context_proj.weight.device
+        forced = forced_tokens.reshape(-1).to(device) if forced_tokens is not None else None
+        n_forced = forced.numel() if forced is not None else 0
+        if n_forced >= gamma:
+            raise ValueError(f"forced_tokens must leave a position to draft: {n_forced} forced, block size {gamma}")
         anchor_t = torch.tensor([anchor], device=device)
         positions = torch.arange(context.length, context.length + gamma, device=device)[None]
         hidden = self.backbone(self.block_embeddings(anchor_t, gamma), positions, context.layers)[0]  # [γ, d]
@@ -425,7 +505,12 @@ class DSparkDrafter(PreTrainedModel):
             elif isinstance(self.sequential, RNNHead):
                 state, bias = self.sequential(state, emb, hidden[k])
                 row = row + bias
-            if full_vocab:
+            if k < n_forced:
+                prev = forced[k]
+                if full_vocab:
+                    one_hot = F.one_hot(prev, self.config.vocab_size)  # as the drafted rows: float after processors
+                    logits.append(one_hot.to(torch.float32 if processors is not None else row.dtype).log())
+            elif full_vocab:
                 full = row.new_full((self.config.vocab_size,), float("-inf"))
                 full[self.draft_vocab] = row
                 if processors is not None:
@@ -453,3 +538,18 @@ class DraftOutput:
     logits: torch.Tensor
     confidence_logits: torch.Tensor | None
     hidden: torch.Tensor
+
+
+def _route_remote_copy() -> None:
+    """This file also ships with each drafter for ``trust_remote_code`` (``hub.py``). Loaded that way, import the
+    installed ``dspark_hf`` so ``target.generate(assistant_model=drafter)`` is routed as after ``import dspark_hf``."""
+    if not __package__ or __package__.split(".")[0] == "dspark_hf":
+        return
+    try:
+        import dspark_hf  # noqa: F401  (importing it installs the generate() routing)
+    except ImportError:
+        warnings.warn("This DSpark drafter was loaded with trust_remote_code, but generate(assistant_model=drafter) "
+                      "needs the dspark-hf package to route it: pip install dspark-hf.")
+
+
+_route_remote_copy()
