@@ -155,17 +155,17 @@ def test_drafter_overfits_its_training_prompts(tmp_path):
                       anchors_per_sequence=16, lr=3e-3, warmup_steps=10, loss_weights={"ce": 1.0, "tv": 0.9, "conf": 1.0},
                       eval_every=300, save_every=300, val_sequences=1)
     drafter = DSparkDrafter.from_pretrained(train(target, cfg, progress=False)).eval()
-    first, taus = [], []
+    first, accepted, drafted = [], 0, 0
     for prompt in prompts:
         ids = torch.tensor([prompt])
         plain = target.generate(ids, max_new_tokens=32, do_sample=False)
         out = target.generate(ids, assistant_model=drafter, max_new_tokens=32, do_sample=False, dspark_verification="fixed")
         assert torch.equal(out, plain)
-        rounds = drafter.last_stats.rounds
+        rounds = [r for r in drafter.last_stats.rounds if r.drafted]  # the budget may leave a last round no draft
         first += [r.accepted >= 1 for r in rounds[:-1]]
-        taus.append(drafter.last_stats.tau)
+        accepted, drafted = accepted + sum(r.accepted for r in rounds), drafted + sum(r.drafted for r in rounds)
     assert sum(first) / len(first) >= 0.95
-    assert sum(taus) / len(taus) >= 4.5
+    assert accepted / drafted >= 0.9  # nearly every draft survives: τ near γ + 1
 
 
 def test_greedy_survival_by_hand():
