@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from dataclasses import asdict
 from types import SimpleNamespace
 
 import datasets
@@ -14,11 +15,13 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from transformers.utils.hub import convert_file_size_to_int
 
 import dspark_hf
 from conftest import tiny_llama
 from dspark_hf import DSparkConfig, DSparkDrafter
 from dspark_hf.config import spread_layer_ids
+from dspark_hf import training
 from dspark_hf.data import export_tokens, load_shards, prepare_data
 from dspark_hf.training import (
     FeatureBatcher, TrainConfig, dspark_loss, expected_tau, greedy_survival, init_layers_from_target,
@@ -292,3 +295,27 @@ def test_processes_pack_disjoint_shares_of_one_batch(tiny_data):
             torch.testing.assert_close(share[key], whole[key][r::3])
     n = shares[0]["features"].shape[1]
     torch.testing.assert_close(shares[0]["features"], whole["features"][0::3, :n])
+
+
+def test_saved_drafters_are_sharded_load_and_resume(tiny_data, tmp_path, monkeypatch):
+    """Final drafter and checkpoint are safetensors shards of at most MAX_SHARD_SIZE (16 MB, under 16 MiB);
+    both load completely, and training resumes from the sharded checkpoint."""
+    assert convert_file_size_to_int(training.MAX_SHARD_SIZE) <= 16 * 2**20
+    monkeypatch.setattr(training, "MAX_SHARD_SIZE", "20KB")  # the tiny drafter (~100 kB) then takes several shards
+    target, out = tiny_data
+    cfg = TrainConfig(data_dir=str(out), out_dir=str(tmp_path / "run"), num_hidden_layers=1, sequential_rank=8,
+                      block_size=4, num_context_layers=2, draft_vocab_size=None, mask_token_id=0, steps=2, sequences_per_step=2,
+                      anchors_per_sequence=4, warmup_steps=2, eval_every=100, save_every=2, val_sequences=2)
+    final = train(target, cfg, progress=False)
+    checkpoint = tmp_path / "run" / "checkpoint"
+    for folder in (final, checkpoint):
+        shards = sorted(folder.glob("*.safetensors"))
+        assert len(shards) > 2 and (folder / "model.safetensors.index.json").is_file()
+        assert all(f.stat().st_size <= 20_000 + 1024 for f in shards)  # + the safetensors header
+    loaded, info = DSparkDrafter.from_pretrained(final, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    for name, tensor in DSparkDrafter.from_pretrained(checkpoint).state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    train(target, TrainConfig(**{**asdict(cfg), "steps": 3}), progress=False)  # resumes at step 2
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [0, 1, 2, 3]
