@@ -168,8 +168,8 @@ def generate_batch(target, tokenizer, prompts: list[list[int]], layer_ids, topk,
     """
     width = max(map(len, prompts))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=target.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=target.device)
     recorder = _FeatureRecorder(target, layer_ids, topk)
     try:
         out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, **sampling)
@@ -194,9 +194,9 @@ def generate_batch(target, tokenizer, prompts: list[list[int]], layer_ids, topk,
             dict(
                 input_ids=prompt + response,
                 prompt_len=len(prompt),
-                features=torch.cat([prompt_layers[b, start:], step_layers[b, :n_resp]]).numpy(),
-                topk_ids=top_ids[b, :n_resp].numpy(),
-                topk_probs=top_probs[b, :n_resp].numpy(),
+                features=torch.cat([prompt_layers[b, start:], step_layers[b, :n_resp]]).cpu().numpy(),
+                topk_ids=top_ids[b, :n_resp].cpu().numpy(),
+                topk_probs=top_probs[b, :n_resp].cpu().numpy(),
             )
         )
     return rows
