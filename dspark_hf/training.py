@@ -479,8 +479,8 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
     if main:
         drafter.save_pretrained(final, max_shard_size=MAX_SHARD_SIZE)
         (final / "training.json").write_text(
-            json.dumps({"command": command, "processes": world, "steps": step, "minutes": (time.perf_counter() - start) / 60, "config": asdict(cfg),
-                        "validation": evaluate(drafter, val_batches, weights, cfg.loss_weights)}, indent=2)
+            json.dumps({"command": command, "processes": world, "steps": step, "minutes": (time.perf_counter() - start) / 60,
+                        "config": asdict(cfg), "validation": evaluate(drafter, val_batches, weights, cfg.loss_weights)}, indent=2)
         )
     accelerator.wait_for_everyone()  # the final folder exists for every process that returns it
     return final
