@@ -212,16 +212,16 @@ def featurize_batch(target, rows: list[dict], layer_ids, topk) -> list[dict]:
     so a committed token file (see :func:`export_tokens`) rebuilds a dataset on a fresh machine cheaply.
     """
     width = max(len(r["input_ids"]) for r in rows)
-    ids = torch.tensor([list(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in rows])
-    mask = torch.tensor([[1] * len(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in rows])
+    ids = torch.tensor([list(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in rows], device=target.device)
+    mask = torch.tensor([[1] * len(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in rows], device=target.device)
     out = target(input_ids=ids, attention_mask=mask, output_hidden_states=True)
     features = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.float16)  # [B, width, m*d]
     result = []
     for b, row in enumerate(rows):
         n, p = len(row["input_ids"]), int(row["prompt_len"])
         probs, top = out.logits[b, p : n - 1].float().softmax(-1).topk(topk, dim=-1)  # [n - p - 1, K]
-        result.append(dict(input_ids=list(row["input_ids"]), prompt_len=p, features=features[b, : n - 1].numpy(),
-                           topk_ids=top.to(torch.int32).numpy(), topk_probs=probs.to(torch.float16).numpy()))
+        result.append(dict(input_ids=list(row["input_ids"]), prompt_len=p, features=features[b, : n - 1].cpu().numpy(),
+                           topk_ids=top.to(torch.int32).cpu().numpy(), topk_probs=probs.to(torch.float16).cpu().numpy()))
     return result
 
 
