@@ -449,10 +449,10 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
             group["lr"] = learning_rate(cfg, step, now)
         batch = send_to_device(batcher.sample(cfg.sequences_per_step, cfg.anchors_per_sequence, rank, world), device)
         loss, parts = train_step(model, batch, weights, cfg.loss_weights)
-        # the loss is a mean over this process's blocks: weighted by their share of the global batch's blocks,
-        # DDP's average of the processes' gradients is the one-process gradient of the whole batch
-        blocks = batch["valid"][..., 0].sum()
-        share = world * blocks / accelerator.reduce(blocks, "sum")  # 1.0 for one process
+        # the loss is a mean over this process's weighted positions (dspark_loss's Σ w): weighted by their share
+        # of the global batch's, DDP's average of the processes' gradients is the one-process gradient
+        total = (weights.to(device) * batch["valid"]).sum()
+        share = world * total / accelerator.reduce(total, "sum")  # 1.0 for one process
         optimizer.zero_grad(set_to_none=True)
         accelerator.backward(loss * share)
         accelerator.clip_grad_norm_(params, cfg.grad_clip)

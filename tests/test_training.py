@@ -239,7 +239,7 @@ def test_two_processes_train_like_one(tmp_path):
     """`accelerate launch` with 2 CPU processes (gloo), each packing half of every global batch, takes the same
     optimizer steps as one process on the whole batch; it also resumes from its own checkpoint.
 
-    Responses end at a random EOS, so the two halves of a batch hold different numbers of blocks (anchors).
+    Responses end at a random EOS, so the two halves of a batch hold different numbers of positions.
     """
     target = tiny_llama(48, 32, 6, bos_token_id=1, pad_token_id=None, eos_token_id=2)
     prompts = torch.randint(3, 48, (32, 6), generator=torch.Generator().manual_seed(0)).tolist()
