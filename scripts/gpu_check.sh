@@ -4,7 +4,8 @@
 #   1 profile  the target's SPS curve on the device (dspark profile --refresh)
 #   2 compare  greedy identity and wall-clock speedup of the shipped drafter vs plain generate
 #              (scripts/compare_generate.py: dspark generate --compare --json per held-out prompt)
-#   3 data     regenerate a small data set with the target (configs/gpu-smoke.yaml; resumable)
+#   3 data     rebuild the committed regeneration's features (data/*tokens.jsonl.gz), regenerate more
+#              with the target (configs/gpu-smoke.yaml; resumable)
 #   4 train    train a drafter on it for a few minutes; final drafter as safetensors shards of <= 16 MB
 # Each phase has its own timeout, so one slow phase cannot eat the others' time; a phase that fails or times
 # out is recorded and the next one runs. Everything lands in $OUT (default ./gpu-out), at most 8 files:
@@ -29,11 +30,11 @@ PIP=${PIP:-$([[ $DRY_RUN == 1 ]] && echo "echo dry run, would install:" || echo 
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_DATASETS_DISABLE_PROGRESS_BARS=1
 export DEVICE WORK PY PIP
 mkdir -p "$OUT" "$WORK/logs"
-if [[ $DRY_RUN == 1 ]]; then  # tiny sizes: every phase runs end to end on a CPU
+if [[ $DRY_RUN == 1 ]]; then  # tiny sizes: every phase runs end to end on a CPU (data: rebuilt rows only)
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} CUDA_VISIBLE_DEVICES=""
     : "${T_SETUP:=300}" "${T_PROFILE:=300}" "${T_COMPARE:=300}" "${T_DATA:=600}" "${T_TRAIN:=300}"  # a slow CPU's
     PROFILE_ARGS="--max-tokens 4 --context-len 64"; COMPARE_ARGS="--n 1 --modes scheduler --max-new-tokens 16"
-    OVERRIDES='{"target_tokens": 600, "gen_batch_size": 4, "max_new_tokens": 48, "max_minutes": 0.5, "steps": 20,
+    OVERRIDES='{"target_tokens": 33000, "max_minutes": 0.5, "steps": 20,
                 "sequences_per_step": 4, "anchors_per_sequence": 8, "warmup_steps": 5, "eval_every": 10,
                 "save_every": 10, "val_sequences": 4, "threads": 1}'
 else
