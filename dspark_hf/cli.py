@@ -216,12 +216,13 @@ def cmd_train(args):
             sys.exit(f"--export-tokens writes the config's tokens_file, and {args.config} sets none.")
         print(f"{export_tokens(cfg.data_dir, cfg.tokens_file)} rows of {cfg.data_dir} written to {cfg.tokens_file}")
         return
-    if cfg.threads:  # regeneration and training alike: pinned threads hold up when the machine is shared
-        import torch
+    import torch
 
+    if cfg.threads:  # regeneration and training alike: pinned threads hold up when the machine is shared
         torch.set_num_threads(cfg.threads)
-    # this process of `accelerate launch` / torchrun, or the only one: cuda:LOCAL_RANK where there are GPUs, else the CPU
-    state = PartialState()
+    # this process of `accelerate launch` / torchrun, or the only one: cuda:LOCAL_RANK where there are GPUs, else
+    # the CPU (accelerate runs several processes on the CPU only when told cpu=True)
+    state = PartialState(cpu=not torch.cuda.is_available())
     target, tokenizer = load_target(args.target, prepack=None if state.device.type == "cpu" else False)
     target.to(state.device)
     if state.is_main_process and not args.train_only:  # one (resumable) regeneration; the others wait for its data
