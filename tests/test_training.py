@@ -15,11 +15,15 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from transformers import PreTrainedTokenizerFast
 from transformers.utils.hub import convert_file_size_to_int
 
 import dspark_hf
 from conftest import tiny_llama
 from dspark_hf import DSparkConfig, DSparkDrafter
+from dspark_hf.cli import main as cli_main
 from dspark_hf.config import spread_layer_ids
 from dspark_hf import training
 from dspark_hf.data import export_tokens, load_shards, prepare_data
@@ -236,8 +240,8 @@ def _free_port() -> int:
 
 
 def test_two_processes_train_like_one(tmp_path):
-    """`accelerate launch` with 2 CPU processes (gloo), each packing half of every global batch, takes the same
-    optimizer steps as one process on the whole batch; it also resumes from its own checkpoint.
+    """`accelerate launch -m dspark_hf.cli train` with 2 CPU processes (gloo), each packing half of every global
+    batch, takes the same optimizer steps as one `dspark train` on the whole batch (which also resumes here).
 
     Responses end at a random EOS, so the two halves of a batch hold different numbers of positions.
     """
@@ -249,30 +253,34 @@ def test_two_processes_train_like_one(tmp_path):
                  batch_size=16, max_new_tokens=24, topk=8, sampling=dict(do_sample=True, temperature=1.0), queue=queue)
     lengths = [len(r["input_ids"]) for r in load_shards(tmp_path / "data", "train")]
     assert min(lengths) < 6 + 14 < max(lengths)  # some responses too short for 14 anchors
-    target.save_pretrained(tmp_path / "target")
+    target.save_pretrained(tmp_path / "target")  # with a word-level tokenizer, as `dspark train --target` loads it
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({str(i): i for i in range(48)}, unk_token="0"))) \
+        .save_pretrained(tmp_path / "target")
     base = dict(data_dir=str(tmp_path / "data"), num_hidden_layers=1, sequential_rank=8, block_size=4,
                 num_context_layers=2, draft_vocab_size=None, mask_token_id=0, sequences_per_step=4, anchors_per_sequence=14, lr=3e-3,
                 warmup_steps=10, eval_every=100, val_sequences=4, threads=1)  # steps 1-4 in warmup: LR ignores `steps`
-    train(target, TrainConfig(**base, out_dir=str(tmp_path / "one"), steps=4, save_every=100), progress=False)
-    configs = []
-    for steps, save_every in ((2, 2), (4, 100)):  # 2 steps and a checkpoint, then resume to step 4
-        configs.append(tmp_path / f"two-{steps}.yaml")
-        configs[-1].write_text(yaml.safe_dump(base | dict(out_dir=str(tmp_path / "two"), steps=steps, save_every=save_every)))
+
+    def config(name, **values):
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(base | values))
+        return ["train", "--config", str(tmp_path / f"{name}.yaml"), "--target", str(tmp_path / "target"), "--train-only"]
+
+    cli_main(config("one-2", out_dir=str(tmp_path / "one"), steps=2, save_every=2))  # 2 steps and a checkpoint,
+    cli_main(config("one-4", out_dir=str(tmp_path / "one"), steps=4, save_every=100))  # then resumed to step 4
     # `--multi_gpu` is accelerate's flag for its torchrun launcher; without a GPU it runs CPU processes over gloo
     package_root = str(Path(dspark_hf.__file__).parent.parent)  # the processes import the dspark_hf under test
     run = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                          "--main_process_port", str(_free_port()), str(Path(__file__).parent / "ddp_worker.py"),
-                          str(tmp_path / "target"), *map(str, configs)],
+                          "--main_process_port", str(_free_port()), "-m", "dspark_hf.cli",
+                          *config("two", out_dir=str(tmp_path / "two"), steps=4, save_every=100)],
                          capture_output=True, text=True,
                          env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": package_root})
     assert run.returncode == 0, run.stderr[-4000:]
     logs = {run: [json.loads(line) for line in (tmp_path / run / "log.jsonl").read_text().splitlines()] for run in ("one", "two")}
     assert json.loads((tmp_path / "two" / "final" / "training.json").read_text())["processes"] == 2
-    assert [r["step"] for r in logs["two"]] == [0, 1, 2, 3, 4]  # the main process alone logs; resumed at step 2
+    assert [r["step"] for r in logs["one"]] == [r["step"] for r in logs["two"]] == [0, 1, 2, 3, 4]  # main process alone logs
     for a, b in zip(logs["one"][1:], logs["two"][1:]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
     final_one, final_two = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("one", "two"))
-    at_step_2 = load_file(tmp_path / "two" / "checkpoint" / "model.safetensors")
+    at_step_2 = load_file(tmp_path / "one" / "checkpoint" / "model.safetensors")
     for name, weight in final_one.items():
         torch.testing.assert_close(final_two[name], weight, rtol=1e-5, atol=1e-6)
     assert max(float((final_one[k] - at_step_2[k]).abs().max()) for k in final_one) > 1e-3  # steps 3-4 moved weights
