@@ -33,7 +33,7 @@ mkdir -p "$OUT" "$WORK/logs"
 if [[ $DRY_RUN == 1 ]]; then  # tiny sizes: every phase runs end to end on a CPU (data: rebuilt rows only)
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} CUDA_VISIBLE_DEVICES=""
     : "${T_SETUP:=300}" "${T_PROFILE:=300}" "${T_COMPARE:=300}" "${T_DATA:=600}" "${T_TRAIN:=300}"  # a slow CPU's
-    PROFILE_ARGS="--max-tokens 4 --context-len 64"; COMPARE_ARGS="--n 1 --modes scheduler --max-new-tokens 16"
+    PROFILE_ARGS="--max-tokens 4 --context-len 64 --contexts 64"; COMPARE_ARGS="--n 1 --modes scheduler --max-new-tokens 16"
     OVERRIDES='{"target_tokens": 33000, "max_minutes": 0.5, "steps": 20,
                 "sequences_per_step": 4, "anchors_per_sequence": 8, "warmup_steps": 5, "eval_every": 10,
                 "save_every": 10, "val_sequences": 4, "threads": 1}'
