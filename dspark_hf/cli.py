@@ -73,11 +73,15 @@ def check_prompt_fits(prompt_length: int, max_new_tokens: int, target) -> None:
 
 
 def load_cli_target(args):
-    """``(target, tokenizer)`` for ``--target``, on oneDNN-prepacked CPU kernels unless ``--stock-kernels``."""
+    """``(target, tokenizer)`` for ``--target`` on ``--device``; on the CPU with oneDNN-prepacked kernels unless
+    ``--stock-kernels``."""
     from .target import load_target
 
     check_location(args.target, "--target")
-    return load_target(args.target, prepack=False if getattr(args, "stock_kernels", False) else None)
+    device = getattr(args, "device", "cpu")
+    stock = getattr(args, "stock_kernels", False) or device != "cpu"  # prepacked kernels are CPU kernels
+    target, tokenizer = load_target(args.target, prepack=False if stock else None)
+    return target.to(device), tokenizer
 
 
 def _load(args, need_drafter: bool = True):
@@ -197,6 +201,9 @@ def cmd_profile(args):
 
 
 def cmd_train(args):
+    from accelerate import PartialState
+
+    from .config import spread_layer_ids
     from .data import prepare_data
     from .target import load_target
     from .training import TrainConfig, train
@@ -209,19 +216,25 @@ def cmd_train(args):
             sys.exit(f"--export-tokens writes the config's tokens_file, and {args.config} sets none.")
         print(f"{export_tokens(cfg.data_dir, cfg.tokens_file)} rows of {cfg.data_dir} written to {cfg.tokens_file}")
         return
+    import torch
+
     if cfg.threads:  # regeneration and training alike: pinned threads hold up when the machine is shared
-        import torch
-
         torch.set_num_threads(cfg.threads)
-    target, tokenizer = load_target(args.target)
-    from .config import spread_layer_ids
-
-    layers = spread_layer_ids(target.config.num_hidden_layers, cfg.num_context_layers)
-    prepare_data(target, tokenizer, cfg.data_dir, layers, cfg.target_tokens, cfg.gen_batch_size,
-                 max_new_tokens=cfg.max_new_tokens, worker=args.worker, tokens_file=cfg.tokens_file)
+    # this process of `accelerate launch` / torchrun, or the only one: cuda:LOCAL_RANK where there are GPUs, else
+    # the CPU (accelerate runs several processes on the CPU only when told cpu=True)
+    state = PartialState(cpu=not torch.cuda.is_available())
+    target, tokenizer = load_target(args.target, prepack=None if state.device.type == "cpu" else False)
+    target.to(state.device)
+    if state.is_main_process and not args.train_only:  # one (resumable) regeneration; the others wait for its data
+        layers = spread_layer_ids(target.config.num_hidden_layers, cfg.num_context_layers)
+        prepare_data(target, tokenizer, cfg.data_dir, layers, cfg.target_tokens, cfg.gen_batch_size,
+                     max_new_tokens=cfg.max_new_tokens, worker=args.worker, tokens_file=cfg.tokens_file)
+    state.wait_for_everyone()
     if args.prepare_only:
         return
-    print(f"drafter saved to {train(target, cfg, command=f'dspark train --config {args.config}')}")
+    final = train(target, cfg, command=f"dspark train --config {args.config}")
+    if state.is_main_process:
+        print(f"drafter saved to {final}")
 
 
 def _worker(text: str) -> tuple[int, int]:
@@ -297,6 +310,7 @@ def main(argv=None):
         if drafter:
             p.add_argument("--drafter", default=None, help=f"drafter folder or Hub id (default {DEFAULT_DRAFTER.name})")
         if kernels:
+            p.add_argument("--device", default="cpu", help="device of the target and drafter, e.g. cuda (default cpu)")
             p.add_argument("--stock-kernels", action="store_true",
                            help="run the target's linear layers on torch's stock CPU kernels instead of oneDNN "
                                 "prepacked ones (dspark_hf.kernels; prepacking is the default where torch has oneDNN)")
@@ -331,9 +345,11 @@ def main(argv=None):
                    help="write the curve as that engine's cost table (SGLang: --speculative-dspark-sps-table-path) to --out")
     p.add_argument("--out", default="sps_table.json", help="file for --engine-table")
 
-    p = command("train", cmd_train, "regenerate data with the target and train a drafter")
+    p = command("train", cmd_train, "regenerate data with the target and train a drafter (on a GPU where there is "
+                                     "one; several processes: `accelerate launch -m dspark_hf.cli train`)")
     p.add_argument("--config", default=str(DEFAULT_TRAIN_CONFIG))
     p.add_argument("--prepare-only", action="store_true", help="only generate and cache the training data")
+    p.add_argument("--train-only", action="store_true", help="train on the data already cached in data_dir (no regeneration)")
     p.add_argument("--export-tokens", action="store_true",
                    help="write the token ids of data_dir's shards to the config's tokens_file (to commit) and exit")
     p.add_argument("--worker", type=_worker, default=(0, 1), metavar="K/N",

@@ -168,8 +168,8 @@ def generate_batch(target, tokenizer, prompts: list[list[int]], layer_ids, topk,
     """
     width = max(map(len, prompts))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=target.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=target.device)
     recorder = _FeatureRecorder(target, layer_ids, topk)
     try:
         out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, **sampling)
@@ -194,9 +194,9 @@ def generate_batch(target, tokenizer, prompts: list[list[int]], layer_ids, topk,
             dict(
                 input_ids=prompt + response,
                 prompt_len=len(prompt),
-                features=torch.cat([prompt_layers[b, start:], step_layers[b, :n_resp]]).numpy(),
-                topk_ids=top_ids[b, :n_resp].numpy(),
-                topk_probs=top_probs[b, :n_resp].numpy(),
+                features=torch.cat([prompt_layers[b, start:], step_layers[b, :n_resp]]).cpu().numpy(),
+                topk_ids=top_ids[b, :n_resp].cpu().numpy(),
+                topk_probs=top_probs[b, :n_resp].cpu().numpy(),
             )
         )
     return rows
@@ -212,16 +212,16 @@ def featurize_batch(target, rows: list[dict], layer_ids, topk) -> list[dict]:
     so a committed token file (see :func:`export_tokens`) rebuilds a dataset on a fresh machine cheaply.
     """
     width = max(len(r["input_ids"]) for r in rows)
-    ids = torch.tensor([list(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in rows])
-    mask = torch.tensor([[1] * len(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in rows])
+    ids = torch.tensor([list(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in rows], device=target.device)
+    mask = torch.tensor([[1] * len(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in rows], device=target.device)
     out = target(input_ids=ids, attention_mask=mask, output_hidden_states=True)
     features = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.float16)  # [B, width, m*d]
     result = []
     for b, row in enumerate(rows):
         n, p = len(row["input_ids"]), int(row["prompt_len"])
         probs, top = out.logits[b, p : n - 1].float().softmax(-1).topk(topk, dim=-1)  # [n - p - 1, K]
-        result.append(dict(input_ids=list(row["input_ids"]), prompt_len=p, features=features[b, : n - 1].numpy(),
-                           topk_ids=top.to(torch.int32).numpy(), topk_probs=probs.to(torch.float16).numpy()))
+        result.append(dict(input_ids=list(row["input_ids"]), prompt_len=p, features=features[b, : n - 1].cpu().numpy(),
+                           topk_ids=top.to(torch.int32).cpu().numpy(), topk_probs=probs.to(torch.float16).cpu().numpy()))
     return result
 
 

@@ -2,7 +2,7 @@
 
 A drafter folder (``model_cards/<name>/``) is exactly what its Hub repo holds:
 
-* ``config.json``, ``model.safetensors`` and the modeling code named by ``config.auto_map``
+* ``config.json``, ``model.safetensors`` (or its shards with their index) and the modeling code named by ``config.auto_map``
   (``config.py``, ``model.py`` and their relative imports; :meth:`DSparkDrafter.save_pretrained` copies
   them), so ``AutoModel.from_pretrained(repo, trust_remote_code=True)`` needs no ``dspark_hf``;
 * ``calibration.json`` (``dspark calibrate``) and ``training.json`` (``dspark train``);
@@ -340,13 +340,20 @@ def _read_json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _count_params(weights: Path) -> int | None:
+def _count_params(model_dir: Path) -> int | None:
+    """Floating-point parameters in the folder's ``model.safetensors`` or its shards; ``None`` without weights."""
     from huggingface_hub import parse_local_safetensors_file_metadata
 
-    if not weights.is_file():
+    files = _weight_files(model_dir)
+    if not files:
         return None
-    counts = parse_local_safetensors_file_metadata(weights).parameter_count  # {dtype: count}
-    return sum(n for dtype, n in counts.items() if dtype.startswith(("F", "BF")))  # not the int draft-vocab ids
+    counts = [parse_local_safetensors_file_metadata(f).parameter_count for f in files]  # {dtype: count} each
+    return sum(n for c in counts for dtype, n in c.items() if dtype.startswith(("F", "BF")))  # not the int draft-vocab ids
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    """``model.safetensors``, or the shards ``model-0000i-of-0000n.safetensors`` a sharded ``save_pretrained`` writes."""
+    return sorted(model_dir.glob("model*.safetensors"))
 
 
 def card_repo_id(model_dir: str | Path) -> str | None:
@@ -431,7 +438,7 @@ def write_card(model_dir: str | Path, bench: dict | str | Path | None = None, re
         bench=bench,
         training=_read_json(model_dir / TRAINING_FILE),
         calibration=_read_json(model_dir / CALIBRATION_FILE),
-        n_params=_count_params(model_dir / "model.safetensors"),
+        n_params=_count_params(model_dir),
         has_diagram=(model_dir / RELIABILITY_FILE).is_file(),
         compare=json.loads(Path(compare).read_text()) if compare is not None else None,
     )
@@ -441,8 +448,7 @@ def write_card(model_dir: str | Path, bench: dict | str | Path | None = None, re
 
 
 # ----------------------------------------------------------------------------------------- push
-REQUIRED_FILES = ("README.md", "config.json", "model.safetensors", "custom_generate/generate.py",
-                  "custom_generate/requirements.txt")
+REQUIRED_FILES = ("README.md", "config.json", "custom_generate/generate.py", "custom_generate/requirements.txt")
 
 
 def check_card_folder(model_dir: str | Path, repo_id: str) -> None:
@@ -450,6 +456,8 @@ def check_card_folder(model_dir: str | Path, repo_id: str) -> None:
     _check_repo_id(repo_id)
     model_dir = Path(model_dir)
     missing = [f for f in REQUIRED_FILES if not (model_dir / f).is_file()]
+    if not _weight_files(model_dir):
+        missing.append("model.safetensors")
     if missing:
         raise FileNotFoundError(f"{model_dir} lacks {', '.join(missing)}: run "
                                 f"`dspark card {model_dir} --repo-id {repo_id}` on a saved drafter first.")

@@ -4,6 +4,10 @@ Each step samples sequences, draws many anchors per sequence and packs every anc
 into one dense forward (anchor-bounded packing: block ``b`` sees context positions ``< a_b`` only).
 The target is never run here: its context-layer features and top-K next-token distributions were
 cached by :mod:`dspark_hf.data` while it regenerated the responses.
+
+Under ``accelerate launch`` (DDP) the N processes split each step's global batch of
+``sequences_per_step`` sequences, all-reduce the gradients and take the same optimizer step as one
+process would; only the main process evaluates and writes logs and checkpoints.
 """
 
 from __future__ import annotations
@@ -17,11 +21,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import yaml
+from accelerate import Accelerator
+from accelerate.utils import broadcast, send_to_device
 from tqdm.auto import tqdm
 
 from .config import DSparkConfig
 from .data import load_shards
 from .model import DSparkDrafter
+
+MAX_SHARD_SIZE = "16MB"  # safetensors shards of saved drafters (save_pretrained's max_shard_size): each file < 16 MiB
 
 
 @dataclass
@@ -181,18 +189,28 @@ class FeatureBatcher:
         self.rows = [r for r in rows if len(r["input_ids"]) - r["prompt_len"] >= 2]
         if not self.rows:
             raise ValueError("No usable training rows (responses shorter than 2 tokens).")
-        self.vocab_index = drafter.vocab_index
+        self.vocab_index = drafter.vocab_index.cpu()  # packing runs on the CPU, whatever the drafter's device
         self.oov = drafter.draft_vocab.numel()
         self.gamma = block_size
         self.generator = generator
 
-    def sample(self, sequences: int, anchors: int) -> dict:
+    def sample(self, sequences: int, anchors: int, rank: int = 0, world: int = 1) -> dict:
+        """A global batch of ``sequences`` random rows with up to ``anchors`` anchors each, of which this
+        process packs its share, the rows ``rank::world``.
+
+        Every process draws the whole batch (rows and anchors) from the same generator, so the processes'
+        generators stay in step and their shares together are exactly the batch one process would pack.
+        """
         picks = torch.randint(len(self.rows), (sequences,), generator=self.generator).tolist()
-        return self.pack([self.rows[i] for i in picks], anchors)
+        rows = [self.rows[i] for i in picks]
+        per_row = [self._anchors(r, anchors) for r in rows]
+        return self._pack(rows[rank::world], per_row[rank::world])
 
     def pack(self, rows, anchors: int) -> dict:
         """Pack ``rows`` with up to ``anchors`` anchors each into dense tensors (see ``DSparkDrafter.forward``)."""
-        per_row = [self._anchors(r, anchors) for r in rows]
+        return self._pack(rows, [self._anchors(r, anchors) for r in rows])
+
+    def _pack(self, rows, per_row: list[torch.Tensor]) -> dict:
         n = max(int(a.max()) for a in per_row)
         A = max(len(a) for a in per_row)
         width = rows[0]["features"].shape[-1]
@@ -367,14 +385,33 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
     """Train a drafter for ``target`` on ``cfg.data_dir``; checkpoints and resumes in ``cfg.out_dir``.
 
     Returns the folder of the final drafter (``out_dir/final``), loadable with
-    ``DSparkDrafter.from_pretrained``. A ``log.jsonl`` records training and validation metrics;
-    ``final/training.json`` the budget used, the config, the final validation and ``command``.
+    ``DSparkDrafter.from_pretrained`` (safetensors shards of at most :data:`MAX_SHARD_SIZE`). A
+    ``log.jsonl`` records training and validation metrics; ``final/training.json`` the budget used, the
+    number of processes, the config, the final validation and ``command``.
+
+    Training runs on the target's device. Under ``accelerate launch`` each process calls this with the
+    target on its own ``accelerator.device``; the processes split every global batch of
+    ``sequences_per_step`` sequences and take identical optimizer steps (gradients all-reduced), and only
+    the main process evaluates and writes ``out_dir``. Every process returns the final folder.
+
+    Raises:
+        ValueError: ``sequences_per_step`` is not a multiple of the number of processes, or the target is
+            not on this process's device.
     """
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    accelerator = Accelerator(cpu=target.device.type == "cpu")  # the only process, or this one of `accelerate launch`
+    rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
+    if cfg.sequences_per_step % world:
+        raise ValueError(f"sequences_per_step ({cfg.sequences_per_step}) is the global batch of all {world} processes: "
+                         f"make it a multiple of {world}.")
+    device = torch.empty(0, device=accelerator.device).device  # "cpu:0" (a multi-CPU run's) is "cpu"
+    if target.device != device:
+        raise ValueError(f"The target is on {target.device} but this process trains on {device}: move it there first.")
     out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "train_config.yaml").write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "train_config.yaml").write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
     torch.manual_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
     train_rows, val_rows = load_rows(cfg.data_dir, "train"), load_rows(cfg.data_dir, "validation")
@@ -388,32 +425,47 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     step, elapsed = 0, 0.0
     if (ckpt / "state.pt").is_file():
-        state = torch.load(ckpt / "state.pt", weights_only=False)
+        state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         generator.set_state(state["generator"])
         step, elapsed = state["step"], state["elapsed"]
+    model, optimizer = accelerator.prepare(drafter, optimizer)  # model: `drafter` itself, or its DDP wrapper
     batcher = FeatureBatcher(train_rows, drafter, cfg.block_size, generator)
     val_batcher = FeatureBatcher(val_rows[: cfg.val_sequences], drafter, cfg.block_size, torch.Generator().manual_seed(1))
-    val_batches = [val_batcher.pack(val_batcher.rows[i : i + 8], cfg.anchors_per_sequence) for i in range(0, len(val_batcher.rows), 8)]
+    val_batches = [send_to_device(val_batcher.pack(val_batcher.rows[i : i + 8], cfg.anchors_per_sequence), device)
+                   for i in range(0, len(val_batcher.rows), 8)]
     weights = position_weights(cfg.block_size, cfg.decay)
-    log = (out / "log.jsonl").open("a")
-    if step == 0:
+    log = (out / "log.jsonl").open("a") if main else None
+    if step == 0 and main:
         log.write(json.dumps({"step": 0, "validation": evaluate(drafter, val_batches, weights, cfg.loss_weights)}) + "\n")
-    bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=not progress)
+    bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=not (progress and main))
     start = time.perf_counter() - elapsed
-    while step < cfg.steps and (time.perf_counter() - start) < 60 * cfg.max_minutes:
+
+    def clock() -> float:  # seconds since the start by the main process's clock: all processes agree on LR and stop
+        return float(broadcast(torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)))
+
+    while step < cfg.steps and (now := clock()) < 60 * cfg.max_minutes:
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(cfg, step, time.perf_counter() - start)
-        loss, parts = train_step(drafter, batcher.sample(cfg.sequences_per_step, cfg.anchors_per_sequence), weights, cfg.loss_weights)
+            group["lr"] = learning_rate(cfg, step, now)
+        batch = send_to_device(batcher.sample(cfg.sequences_per_step, cfg.anchors_per_sequence, rank, world), device)
+        loss, parts = train_step(model, batch, weights, cfg.loss_weights)
+        # the loss is a mean over this process's weighted positions (dspark_loss's Σ w): weighted by their share
+        # of the global batch's, DDP's average of the processes' gradients is the one-process gradient
+        total = (weights.to(device) * batch["valid"]).sum()
+        share = world * total / accelerator.reduce(total, "sum")  # 1.0 for one process
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        accelerator.backward(loss * share)
+        accelerator.clip_grad_norm_(params, cfg.grad_clip)
         optimizer.step()
         step += 1
+        # the log's metrics are the global batch's: the processes' share-weighted means
+        loss, parts = accelerator.reduce((loss.detach() * share, {k: v * share for k, v in parts.items()}), "mean")
+        if not main:  # only the main process logs, evaluates and saves
+            continue
         bar.update(1)
         bar.set_postfix({k: f"{float(v):.3f}" for k, v in parts.items() if k not in ("accept", "greedy")}
                         | {"tau": f"{expected_tau(parts['accept']):.2f}"})
-        record = {"step": step, "time_s": time.perf_counter() - start, "loss": float(loss.detach()), "lr": optimizer.param_groups[0]["lr"]}
+        record = {"step": step, "time_s": time.perf_counter() - start, "loss": float(loss), "lr": optimizer.param_groups[0]["lr"]}
         record |= {k: float(v) for k, v in parts.items() if k not in ("accept", "greedy")}
         record |= {"tau_est": expected_tau(parts["accept"]), "greedy_tau": 1.0 + float(parts["greedy"].sum())}
         if step % cfg.eval_every == 0 or step == cfg.steps:
@@ -424,17 +476,19 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
             _save_checkpoint(drafter, optimizer, generator, step, time.perf_counter() - start, ckpt)
     bar.close()
     final = out / "final"
-    drafter.save_pretrained(final)
-    (final / "training.json").write_text(
-        json.dumps({"command": command, "steps": step, "minutes": (time.perf_counter() - start) / 60, "config": asdict(cfg),
-                    "validation": evaluate(drafter, val_batches, weights, cfg.loss_weights)}, indent=2)
-    )
+    if main:
+        drafter.save_pretrained(final, max_shard_size=MAX_SHARD_SIZE)
+        (final / "training.json").write_text(
+            json.dumps({"command": command, "processes": world, "steps": step, "minutes": (time.perf_counter() - start) / 60,
+                        "config": asdict(cfg), "validation": evaluate(drafter, val_batches, weights, cfg.loss_weights)}, indent=2)
+        )
+    accelerator.wait_for_everyone()  # the final folder exists for every process that returns it
     return final
 
 
 def _save_checkpoint(drafter, optimizer, generator, step, elapsed, ckpt: Path):
     tmp = ckpt.with_name("checkpoint.partial")
-    drafter.save_pretrained(tmp)
+    drafter.save_pretrained(tmp, max_shard_size=MAX_SHARD_SIZE)
     torch.save(
         {"optimizer": optimizer.state_dict(),
          "generator": generator.get_state(), "step": step, "elapsed": elapsed},

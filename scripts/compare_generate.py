@@ -31,10 +31,10 @@ def held_out_prompts(n: int) -> list[tuple[str, str]]:
     return [(record_id, text) for record_id, text in texts["chat"] if record_id in kept]
 
 
-def compare(prompt: str, mode: str, max_new_tokens: int, drafter: str | None) -> dict:
-    """One ``dspark generate --compare --json`` run (greedy)."""
-    command = ["dspark", "generate", prompt, "--compare", "--json", "--verify", mode,
-               "--max-new-tokens", str(max_new_tokens)] + (["--drafter", drafter] if drafter else [])
+def compare(prompt: str, mode: str, max_new_tokens: int, drafter: str | None, device: str = "cpu") -> dict:
+    """One ``dspark generate --compare --json`` run (greedy), by this interpreter."""
+    command = [sys.executable, "-m", "dspark_hf.cli", "generate", prompt, "--compare", "--json", "--verify", mode,
+               "--max-new-tokens", str(max_new_tokens), "--device", device] + (["--drafter", drafter] if drafter else [])
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -45,6 +45,7 @@ def main(argv=None):
     parser.add_argument("--modes", default="scheduler")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--drafter", default=None, help="default: the shipped drafter")
+    parser.add_argument("--device", default="cpu", help="e.g. cuda")
     parser.add_argument("--out", default="docs/compare.json")
     args = parser.parse_args(argv)
     prompts = held_out_prompts(args.n)
@@ -52,7 +53,7 @@ def main(argv=None):
     for mode in args.modes.split(","):
         runs = []
         for record_id, text in prompts:
-            run = {"id": record_id} | {k: v for k, v in compare(text, mode, args.max_new_tokens, args.drafter).items() if k != "text"}
+            run = {"id": record_id} | {k: v for k, v in compare(text, mode, args.max_new_tokens, args.drafter, args.device).items() if k != "text"}
             print(json.dumps(run), flush=True)
             runs.append(run)
         result["modes"][mode] = {

@@ -347,3 +347,17 @@ def test_push_refuses_a_card_written_for_another_repo(saved, monkeypatch, fake_a
     with pytest.raises(ValueError, match=f"dspark card .* --repo-id org/other"):
         hub.push(saved / "card", "org/other")
     assert fake_api == []
+
+
+def test_sharded_drafter_counts_and_checks_like_one_file(tmp_path):
+    """`dspark train` saves drafters as safetensors shards: the card's parameter count and the push check see them."""
+    target = tiny_llama(V, 32, 2)
+    drafter = DSparkDrafter(DSparkConfig.for_target(target, num_context_layers=2, num_hidden_layers=1, mask_token_id=0))
+    drafter.save_pretrained(tmp_path / "one")
+    drafter.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
+    n = sum(p.numel() for p in drafter.parameters())
+    assert hub._count_params(tmp_path / "sharded") == hub._count_params(tmp_path / "one") == n
+    with pytest.raises(FileNotFoundError) as missing:
+        hub.check_card_folder(tmp_path / "sharded", REPO_ID)
+    assert "README.md" in str(missing.value) and "model.safetensors" not in str(missing.value)  # weights found

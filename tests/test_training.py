@@ -2,19 +2,34 @@
 
 import json
 import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from dataclasses import asdict
 from types import SimpleNamespace
 
 import datasets
 import pytest
 import torch
+import yaml
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from transformers import PreTrainedTokenizerFast
+from transformers.utils.hub import convert_file_size_to_int
 
+import dspark_hf
 from conftest import tiny_llama
 from dspark_hf import DSparkConfig, DSparkDrafter
+from dspark_hf.cli import main as cli_main
 from dspark_hf.config import spread_layer_ids
+from dspark_hf import training
 from dspark_hf.data import export_tokens, load_shards, prepare_data
 from dspark_hf.training import (
-    TrainConfig, dspark_loss, expected_tau, greedy_survival, init_layers_from_target, position_weights,
-    reserved_mask_token, train, tv_distance,
+    FeatureBatcher, TrainConfig, dspark_loss, expected_tau, greedy_survival, init_layers_from_target,
+    position_weights, reserved_mask_token, train, tv_distance,
 )
 
 
@@ -216,3 +231,99 @@ def test_exported_tokens_rebuild_the_same_shards(tiny_data, tmp_path):
             torch.testing.assert_close(x["features"].float(), y["features"].float(), atol=2e-2, rtol=1e-2)
             torch.testing.assert_close(x["topk_probs"].float(), y["topk_probs"].float(), atol=2e-3, rtol=1e-2)
             assert torch.equal(x["topk_ids"][:, 0], y["topk_ids"][:, 0])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_train_like_one(tmp_path):
+    """`accelerate launch -m dspark_hf.cli train` with 2 CPU processes (gloo), each packing half of every global
+    batch, takes the same optimizer steps as one `dspark train` on the whole batch (which also resumes here).
+
+    Responses end at a random EOS, so the two halves of a batch hold different numbers of positions.
+    """
+    target = tiny_llama(48, 32, 6, bos_token_id=1, pad_token_id=None, eos_token_id=2)
+    prompts = torch.randint(3, 48, (32, 6), generator=torch.Generator().manual_seed(0)).tolist()
+    queue = [(f"r{i}_0", "validation" if i % 8 == 0 else "train", p) for i, p in enumerate(prompts)]
+    datasets.disable_progress_bars()
+    prepare_data(target, SimpleNamespace(pad_token_id=0), tmp_path / "data", spread_layer_ids(6, 2), target_tokens=10_000,
+                 batch_size=16, max_new_tokens=24, topk=8, sampling=dict(do_sample=True, temperature=1.0), queue=queue)
+    lengths = [len(r["input_ids"]) for r in load_shards(tmp_path / "data", "train")]
+    assert min(lengths) < 6 + 14 < max(lengths)  # some responses too short for 14 anchors
+    target.save_pretrained(tmp_path / "target")  # with a word-level tokenizer, as `dspark train --target` loads it
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({str(i): i for i in range(48)}, unk_token="0"))) \
+        .save_pretrained(tmp_path / "target")
+    base = dict(data_dir=str(tmp_path / "data"), num_hidden_layers=1, sequential_rank=8, block_size=4,
+                num_context_layers=2, draft_vocab_size=None, mask_token_id=0, sequences_per_step=4, anchors_per_sequence=14, lr=3e-3,
+                warmup_steps=10, eval_every=100, val_sequences=4, threads=1)  # steps 1-4 in warmup: LR ignores `steps`
+
+    def config(name, **values):
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(base | values))
+        return ["train", "--config", str(tmp_path / f"{name}.yaml"), "--target", str(tmp_path / "target"), "--train-only"]
+
+    cli_main(config("one-2", out_dir=str(tmp_path / "one"), steps=2, save_every=2))  # 2 steps and a checkpoint,
+    cli_main(config("one-4", out_dir=str(tmp_path / "one"), steps=4, save_every=100))  # then resumed to step 4
+    # `--multi_gpu` is accelerate's flag for its torchrun launcher; without a GPU it runs CPU processes over gloo
+    package_root = str(Path(dspark_hf.__file__).parent.parent)  # the processes import the dspark_hf under test
+    run = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                          "--main_process_port", str(_free_port()), "-m", "dspark_hf.cli",
+                          *config("two", out_dir=str(tmp_path / "two"), steps=4, save_every=100)],
+                         capture_output=True, text=True,
+                         env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": package_root})
+    assert run.returncode == 0, run.stderr[-4000:]
+    logs = {run: [json.loads(line) for line in (tmp_path / run / "log.jsonl").read_text().splitlines()] for run in ("one", "two")}
+    assert json.loads((tmp_path / "two" / "final" / "training.json").read_text())["processes"] == 2
+    assert [r["step"] for r in logs["one"]] == [r["step"] for r in logs["two"]] == [0, 1, 2, 3, 4]  # main process alone logs
+    for a, b in zip(logs["one"][1:], logs["two"][1:]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    final_one, final_two = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("one", "two"))
+    at_step_2 = load_file(tmp_path / "one" / "checkpoint" / "model.safetensors")
+    for name, weight in final_one.items():
+        torch.testing.assert_close(final_two[name], weight, rtol=1e-5, atol=1e-6)
+    assert max(float((final_one[k] - at_step_2[k]).abs().max()) for k in final_one) > 1e-3  # steps 3-4 moved weights
+
+
+def test_processes_pack_disjoint_shares_of_one_batch(tiny_data):
+    """With the same generator state, rank r of N packs rows r::N of exactly the batch one process packs."""
+    target, out = tiny_data
+    rows = load_shards(out, "train")
+    rows = [rows[i] for i in range(len(rows))]
+    drafter = DSparkDrafter(DSparkConfig.for_target(target, num_context_layers=2, num_hidden_layers=1, block_size=4,
+                                                    mask_token_id=0))
+
+    def sample(rank, world):
+        return FeatureBatcher(rows, drafter, 4, torch.Generator().manual_seed(5)).sample(6, 3, rank, world)
+
+    whole, shares = sample(0, 1), [sample(r, 3) for r in range(3)]
+    for key in ("anchors", "tokens", "valid", "labels", "target_ids", "target_probs"):
+        for r, share in enumerate(shares):
+            torch.testing.assert_close(share[key], whole[key][r::3])
+    n = shares[0]["features"].shape[1]
+    torch.testing.assert_close(shares[0]["features"], whole["features"][0::3, :n])
+
+
+def test_saved_drafters_are_sharded_load_and_resume(tiny_data, tmp_path, monkeypatch):
+    """Final drafter and checkpoint are safetensors shards of at most MAX_SHARD_SIZE (16 MB, under 16 MiB);
+    both load completely, and training resumes from the sharded checkpoint."""
+    assert convert_file_size_to_int(training.MAX_SHARD_SIZE) <= 16 * 2**20
+    monkeypatch.setattr(training, "MAX_SHARD_SIZE", "20KB")  # the tiny drafter (~100 kB) then takes several shards
+    target, out = tiny_data
+    cfg = TrainConfig(data_dir=str(out), out_dir=str(tmp_path / "run"), num_hidden_layers=1, sequential_rank=8,
+                      block_size=4, num_context_layers=2, draft_vocab_size=None, mask_token_id=0, steps=2, sequences_per_step=2,
+                      anchors_per_sequence=4, warmup_steps=2, eval_every=100, save_every=2, val_sequences=2)
+    final = train(target, cfg, progress=False)
+    checkpoint = tmp_path / "run" / "checkpoint"
+    for folder in (final, checkpoint):
+        shards = sorted(folder.glob("*.safetensors"))
+        assert len(shards) > 2 and (folder / "model.safetensors.index.json").is_file()
+        assert all(f.stat().st_size <= 20_000 + 1024 for f in shards)  # + the safetensors header
+    loaded, info = DSparkDrafter.from_pretrained(final, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    for name, tensor in DSparkDrafter.from_pretrained(checkpoint).state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    train(target, TrainConfig(**{**asdict(cfg), "steps": 3}), progress=False)  # resumes at step 2
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [0, 1, 2, 3]
