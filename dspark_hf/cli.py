@@ -280,7 +280,10 @@ def cmd_export(args):
 
         target = load_default_target(prepack=False)[0] if args.target is None else AutoModelForCausalLM.from_pretrained(args.target)
         drafter.bind(target)
-    out = export_drafter(drafter, args.out, args.format, verifier_name_or_path=args.verifier)
+    try:  # a v1 drafter, or one the format cannot hold exactly: the message names the fix
+        out = export_drafter(drafter, args.out, args.format, verifier_name_or_path=args.verifier)
+    except ValueError as err:
+        sys.exit(f"dspark export: {err}")
     print(f"{args.format} checkpoint written to {out}")
 
 

@@ -393,3 +393,11 @@ def test_shipped_drafters_export_or_name_the_fix(real_target, tmp_path, folder):
             export_drafter(drafter, tmp_path, "speculators")
         return
     check_real(model, tokenizer, verifier, drafter, tmp_path)
+
+
+def test_cli_export_of_a_v1_drafter_is_a_message(tmp_path):
+    from dspark_hf import cli
+
+    with pytest.raises(SystemExit, match="dspark export: This is a v1 drafter.*dspark train"):
+        cli.main(["export", str(ROOT / SHIPPED[0]), "--format", "deepspec", "--out", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()
