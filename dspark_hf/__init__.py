@@ -1,20 +1,42 @@
 """DSpark speculative decoding for Hugging Face Transformers.
 
-``import dspark_hf`` registers the ``dspark`` model type with the Auto classes and routes
-``target.generate(..., assistant_model=DSparkDrafter)`` through DSpark drafting.
+``import dspark_hf`` registers the ``dspark`` model type with the Auto classes, plugs the package's calibration,
+CPU kernels and checkpoint converters into the drafter (``modeling_dspark.EXTENSIONS``), and routes
+``target.generate(..., assistant_model=DSparkDrafter)`` through DSpark drafting (``dspark_hf.decoding.routing``;
+``dspark_hf.uninstall()`` undoes it).
+
+Layers (imports point one way; ``tests/test_layering.py`` checks it):
+``modeling`` ← ``decoding`` ← {``training``, ``evaluation``} ← {``bench``, ``hub``, ``demo``} ← ``cli``,
+with ``defaults`` (paths and ids) and ``metrics`` (pure maths) below every layer but ``modeling``.
 """
 
 from transformers import AutoConfig, AutoModel
 
-from .calibration import SequentialTemperatureScaling
-from .config import DSparkConfig
-from .generation import DSparkCandidateGenerator, GenerationStats, install
-from .kernels import prepack_linears
-from .model import DSparkDrafter
-from .profiling import NoisySPSWarning, SPSCurve, load_or_profile_sps, profile_sps, save_sps
-from .target import load_default_target, load_target
+from .decoding.calibration import SequentialTemperatureScaling
+from .decoding.candidate_generator import DSparkCandidateGenerator
+from .decoding.kernels import pack_rows, prepack_linears
+from .decoding.profiling import NoisySPSWarning, SPSCurve, load_or_profile_sps, profile_sps, save_sps
+from .decoding.routing import install, uninstall
+from .decoding.stats import GenerationStats
+from .decoding.targets import load_default_target, load_target
+from .defaults import check_local_path
+from .modeling.configuration_dspark import DSparkConfig
+from .modeling.modeling_dspark import EXTENSIONS, DSparkDrafter
 
 __version__ = "0.1.0"
+
+
+def _import_checkpoint(path, config_dict, hub_kwargs):
+    """A speculators or DeepSpec checkpoint converted on load (``dspark_hf.hub.export``, imported when needed)."""
+    from .hub.export import import_checkpoint
+
+    return import_checkpoint(path, config_dict, hub_kwargs)
+
+
+EXTENSIONS.check_path = check_local_path
+EXTENSIONS.load_calibration = SequentialTemperatureScaling.load
+EXTENSIONS.pack_rows = pack_rows
+EXTENSIONS.import_checkpoint = _import_checkpoint
 
 AutoConfig.register("dspark", DSparkConfig, exist_ok=True)
 AutoModel.register(DSparkConfig, DSparkDrafter, exist_ok=True)
@@ -30,10 +52,12 @@ __all__ = [
     "NoisySPSWarning",
     "SPSCurve",
     "SequentialTemperatureScaling",
+    "install",
     "load_default_target",
     "load_or_profile_sps",
     "load_target",
     "prepack_linears",
     "profile_sps",
     "save_sps",
+    "uninstall",
 ]

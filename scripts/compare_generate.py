@@ -18,8 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dspark_hf.bench import BenchSettings, encode_suites, suite_texts
-from dspark_hf.target import load_default_target
+from dspark_hf.bench.runner import BenchSettings, encode_suites, suite_texts
+from dspark_hf.decoding.targets import load_default_target
 
 
 def held_out_prompts(n: int) -> list[tuple[str, str]]:
@@ -33,7 +33,7 @@ def held_out_prompts(n: int) -> list[tuple[str, str]]:
 
 def compare(prompt: str, mode: str, max_new_tokens: int, drafter: str | None, device: str = "cpu") -> dict:
     """One ``dspark generate --compare --json`` run (greedy), by this interpreter."""
-    command = [sys.executable, "-m", "dspark_hf.cli", "generate", prompt, "--compare", "--json", "--verify", mode,
+    command = [sys.executable, "-m", "dspark_hf.cli.main", "generate", prompt, "--compare", "--json", "--verify", mode,
                "--max-new-tokens", str(max_new_tokens), "--device", device] + (["--drafter", drafter] if drafter else [])
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])

@@ -15,8 +15,8 @@ import socket
 import torch
 from playwright.sync_api import sync_playwright
 
-from dspark_hf.cli import DEFAULT_DRAFTER
-from dspark_hf.demo import launch
+from dspark_hf.cli.main import DEFAULT_DRAFTER
+from dspark_hf.demo.app import launch
 
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"]
 

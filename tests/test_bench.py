@@ -14,9 +14,9 @@ import torch
 import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
 from conftest import CPU_MS, tiny_llama, tiny_sps_curve
 from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling
-from dspark_hf import bench
-from dspark_hf.data import is_math_problem, prompt_category
-from dspark_hf.generation import GenerationStats, RoundStats
+from dspark_hf.bench import runner as bench
+from dspark_hf.training.data import is_math_problem, prompt_category
+from dspark_hf.decoding.stats import GenerationStats, RoundStats
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

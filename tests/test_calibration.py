@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from dspark_hf.calibration import (
+from dspark_hf.decoding.calibration import (
     SequentialTemperatureScaling,
     brier_score,
     expected_calibration_error,

@@ -5,8 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from dspark_hf import bench, cli, demo
+from dspark_hf.bench import runner as bench
+from dspark_hf.cli import main as cli
+from dspark_hf.demo import app as demo
 
 
 @pytest.fixture
@@ -43,8 +44,8 @@ def no_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the input was checked")
 
-    monkeypatch.setattr("dspark_hf.target.load_target", refuse)
-    monkeypatch.setattr("dspark_hf.model.DSparkDrafter.from_pretrained", refuse)
+    monkeypatch.setattr("dspark_hf.decoding.targets.load_target", refuse)
+    monkeypatch.setattr("dspark_hf.modeling.modeling_dspark.DSparkDrafter.from_pretrained", refuse)
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -85,8 +86,8 @@ def fake_target(positions: int):
 
 def test_prompt_longer_than_the_target_is_refused(monkeypatch):
     monkeypatch.setattr(cli, "_load", lambda args: (fake_target(8192), None, None))
-    monkeypatch.setattr("dspark_hf.data.chat_ids", lambda tokenizer, prompt: list(range(8190)))
-    monkeypatch.setattr("dspark_hf.evaluation.timed_generate", lambda *a, **k: pytest.fail("generate ran"))
+    monkeypatch.setattr("dspark_hf.training.data.chat_ids", lambda tokenizer, prompt: list(range(8190)))
+    monkeypatch.setattr("dspark_hf.evaluation.runs.timed_generate", lambda *a, **k: pytest.fail("generate ran"))
     with pytest.raises(SystemExit, match="8190 tokens.*128 more.*8192 positions.*at most 8064 tokens"):
         cli.main(["generate", "x" * 10, "--json"])
     cli.check_prompt_fits(8064, 128, fake_target(8192))  # exactly fits: no exit

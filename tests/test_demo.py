@@ -22,8 +22,8 @@ from transformers import PreTrainedTokenizerFast
 import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
 from conftest import CYCLE, CYCLE_VOCAB, cycle_drafter, cycle_target, tiny_sps_curve
 from dspark_hf import SequentialTemperatureScaling
-from dspark_hf.data import chat_ids
-from dspark_hf.demo import (
+from dspark_hf.training.data import chat_ids
+from dspark_hf.demo.app import (
     BONUS,
     CORRECTION,
     DRAFT,
@@ -40,7 +40,7 @@ from dspark_hf.demo import (
     stats_html,
     stream_generation,
 )
-from dspark_hf.generation import GenerationStats, RoundStats
+from dspark_hf.decoding.stats import GenerationStats, RoundStats
 
 CHROMIUM = os.environ.get("DSPARK_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
@@ -151,7 +151,7 @@ def test_ghost_text_is_decoded_in_context_with_a_byte_level_tokenizer():
     """A character split over several byte-level draft tokens shows whole, as the final text would."""
     from transformers import AutoTokenizer
 
-    from dspark_hf.target import default_target_dir
+    from dspark_hf.decoding.targets import default_target_dir
 
     if not (default_target_dir() / "tokenizer.json").is_file():
         pytest.skip("the default target is not converted yet (dspark_hf.load_default_target() does it)")
@@ -222,7 +222,7 @@ def test_lookup_tokens_are_coloured_as_lookup(tiny):
 
 
 def test_unavailable_scheduler_is_explained(tiny):
-    from dspark_hf.demo import available_modes, check_mode, default_mode
+    from dspark_hf.demo.app import available_modes, check_mode, default_mode
 
     assert tiny.drafter.calibration is None
     assert available_modes(tiny.drafter) == ["fixed", "threshold"]
@@ -232,7 +232,8 @@ def test_unavailable_scheduler_is_explained(tiny):
 
 
 def test_cli_registers_demo(monkeypatch):
-    from dspark_hf import cli, demo
+    from dspark_hf.cli import main as cli
+    from dspark_hf.demo import app as demo
 
     seen = {}
     monkeypatch.setattr(demo, "cmd_demo", lambda args: seen.update(vars(args)))
@@ -255,7 +256,7 @@ def browser_page(tiny):
         pytest.skip(f"no Chromium at {CHROMIUM}: install Debian's `chromium` package (CI does) to run the browser test")
     pytest.importorskip("gradio", reason="the demo needs gradio: pip install 'dspark-hf[demo]'")
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (no browser download needed)")
-    from dspark_hf.demo import launch
+    from dspark_hf.demo.app import launch
 
     port = _free_port()
     app = launch(tiny.target, tiny.tokenizer, tiny.drafter, port=port, prevent_thread_lock=True, max_new_tokens=40,

@@ -24,7 +24,7 @@ import torch
 
 from conftest import tiny_llama
 from dspark_hf import DSparkConfig, DSparkDrafter
-from dspark_hf.export import OUTSIDE_LOGIT, VOCAB_RANK_KEY, checkpoint_format, export_drafter, import_drafter
+from dspark_hf.hub.export import OUTSIDE_LOGIT, VOCAB_RANK_KEY, checkpoint_format, export_drafter, import_drafter
 
 V, D, LAYERS = 64, 32, 6
 GAMMA, RANK, N_CTX = 5, 8, 9
@@ -301,7 +301,7 @@ def test_import_rejects_what_it_cannot_run_exactly(target_dir, tmp_path):
 
 
 def test_cli_export_and_import(target_dir, tmp_path):
-    from dspark_hf.cli import main
+    from dspark_hf.cli.main import main
 
     path, target = target_dir
     drafter = random_drafter(target, "rnn", DRAFT_VOCAB, True)
@@ -325,14 +325,14 @@ SHIPPED = ["model_cards/dspark-smollm2-135m-instruct", "ablations/dspark-rnn-smo
 @pytest.fixture(scope="module")
 def real_target():
     """Stock fp32 kernels: the references multiply by the lm_head with torch's own matmul."""
-    from dspark_hf.target import default_target_dir, load_default_target
+    from dspark_hf.decoding.targets import default_target_dir, load_default_target
 
     model, tokenizer = load_default_target(prepack=False)
     return model, tokenizer, str(default_target_dir())
 
 
 def real_context(model, tokenizer, drafter):
-    from dspark_hf.data import chat_ids
+    from dspark_hf.training.data import chat_ids
 
     ids = torch.tensor([chat_ids(tokenizer, "Write a Python function that reverses a string.")])
     with torch.no_grad():
@@ -396,7 +396,7 @@ def test_shipped_drafters_export_or_name_the_fix(real_target, tmp_path, folder):
 
 
 def test_cli_export_of_a_v1_drafter_is_a_message(tmp_path):
-    from dspark_hf import cli
+    from dspark_hf.cli import main as cli
 
     with pytest.raises(SystemExit, match="dspark export: This is a v1 drafter.*dspark train"):
         cli.main(["export", str(ROOT / SHIPPED[0]), "--format", "deepspec", "--out", str(tmp_path / "x")])

@@ -27,9 +27,9 @@ from transformers.generation.streamers import BaseStreamer
 import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
 from conftest import CYCLE, CYCLE_VOCAB, LLAMA_DEFAULT_TOKENS, cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
 from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling, prepack_linears
-from dspark_hf.config import MAX_BLOCK_SIZE
-from dspark_hf.lookup import LookupDrafting, RoundPlan, find_continuation
-from dspark_hf.scheduler import schedule_global, schedule_prefix, threshold_prefix
+from dspark_hf.modeling.configuration_dspark import MAX_BLOCK_SIZE
+from dspark_hf.decoding.lookup import LookupDrafting, RoundPlan, find_continuation
+from dspark_hf.decoding.scheduler import schedule_global, schedule_prefix, threshold_prefix
 
 HEADS = ("none", "markov", "rnn")
 MODES = ("fixed", "threshold", "scheduler", "async")
@@ -553,7 +553,7 @@ def sample_tables(target, prompt, drafter, mode, n, first_rounds=None, **kwargs)
                           ("async", None, False), ("async", None, True)])
 def test_sampling_is_exact(sampling_setup, mode, draft_vocab, prepacked):
     target, prompt, laws = sampling_setup
-    if prepacked:  # oneDNN kernels (dspark_hf.kernels) for target and drafter: the laws are unchanged
+    if prepacked:  # oneDNN kernels (dspark_hf.decoding.kernels) for target and drafter: the laws are unchanged
         target = prepack_linears(copy.deepcopy(target))
     drafter = sampling_drafter(target, draft_vocab)
     tables, accept_rate, lengths = sample_tables(target, prompt, drafter, mode, N_SAMPLES)

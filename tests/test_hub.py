@@ -1,4 +1,4 @@
-"""The Hub side (dspark_hf.hub): a drafter folder is a complete Hub repo, loadable by id offline.
+"""The Hub side (dspark_hf.hub.card): a drafter folder is a complete Hub repo, loadable by id offline.
 
 Everything is tiny, CPU-only and offline. The Hugging Face cache is filled by huggingface_hub's own
 ``hf_hub_download`` (so blobs, snapshot symlinks and ``refs/main`` are exactly its layout) served by an
@@ -28,9 +28,10 @@ from transformers import LlamaForCausalLM
 
 import dspark_hf
 from conftest import tiny_llama
-from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling, hub
-from dspark_hf.cli import main as cli_main
-from dspark_hf.target import DEFAULT_TARGET_NAME
+from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling
+from dspark_hf.hub import card as hub
+from dspark_hf.cli.main import main as cli_main
+from dspark_hf.decoding.targets import DEFAULT_TARGET_NAME
 
 REPO_ID = "org/dspark-tiny"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

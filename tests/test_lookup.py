@@ -1,4 +1,4 @@
-"""Prompt lookup inside the DSpark round (dspark_hf.lookup, issue #14): matching, the acceptance estimate, the
+"""Prompt lookup inside the DSpark round (dspark_hf.decoding.lookup, issue #14): matching, the acceptance estimate, the
 Θ-based choice, one-hot proposals and drafting conditioned on forced lookup tokens. Generation-level tests
 (greedy identity, exact sampling, the choice never depending on the round's drafts) are in test_generation.py."""
 
@@ -7,9 +7,9 @@ import torch
 
 from conftest import CYCLE, cycle_drafter, cycle_target
 from dspark_hf import SequentialTemperatureScaling
-from dspark_hf.lookup import (LookupAcceptance, LookupDrafting, LookupMatch, find_continuation, lookup_enabled,
+from dspark_hf.decoding.lookup import (LookupAcceptance, LookupDrafting, LookupMatch, find_continuation, lookup_enabled,
                               one_hot_logits, plan_round)
-from dspark_hf.scheduler import expected_throughputs
+from dspark_hf.decoding.scheduler import expected_throughputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

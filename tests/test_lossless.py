@@ -375,7 +375,7 @@ def test_routing_binds_transformers_arguments_by_name(target, drafter, prompts):
 def test_missing_transformers_signature_names_the_supported_range(monkeypatch):
     from transformers.generation.utils import GenerationMixin
 
-    from dspark_hf import generation
+    from dspark_hf.decoding import routing as generation
 
     monkeypatch.setattr(GenerationMixin, "_assisted_decoding", lambda self, input_ids, **model_kwargs: None)
     with pytest.raises(ImportError, match=r"_assisted_decoding.*stopping_criteria.*transformers>=5\.24,<6"):
@@ -385,7 +385,7 @@ def test_missing_transformers_signature_names_the_supported_range(monkeypatch):
 def test_supported_range_is_the_declared_dependency():
     from pathlib import Path
 
-    from dspark_hf.generation import SUPPORTED_TRANSFORMERS
+    from dspark_hf.decoding.routing import SUPPORTED_TRANSFORMERS
 
     pyproject = (Path(dspark_hf.__file__).resolve().parent.parent / "pyproject.toml").read_text()
     assert f'"transformers{SUPPORTED_TRANSFORMERS}"' in pyproject

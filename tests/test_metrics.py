@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from conftest import CYCLE_VOCAB, cycle_drafter, cycle_target
-from dspark_hf import SequentialTemperatureScaling, bench
+from dspark_hf import SequentialTemperatureScaling
+from dspark_hf.bench import runner as bench
 from dspark_hf.metrics import brier_score, expected_calibration_error, prefix_survival_metrics, roc_auc
 from test_calibration import synthetic_rounds
 

@@ -8,15 +8,16 @@ import torch
 from transformers import DynamicCache
 
 from conftest import CYCLE_VOCAB, LLAMA_DEFAULT_TOKENS, cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
-from dspark_hf import SequentialTemperatureScaling, profiling
-from dspark_hf.profiling import (NoisySPSWarning, SPSCurve, load_or_profile_sps, plot_sps, profile_sps, save_sps,
+from dspark_hf import SequentialTemperatureScaling
+from dspark_hf.decoding import profiling
+from dspark_hf.decoding.profiling import (NoisySPSWarning, SPSCurve, load_or_profile_sps, plot_sps, profile_sps, save_sps,
                                  sps_cache_path, time_verify_step)
 
 KW = dict(max_tokens=4, context_len=8, contexts=(), min_repeats=2, max_repeats=2, progress=False)
 
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),  # real timings of a tiny model may be flagged noisy: not tested there
-              pytest.mark.filterwarnings("ignore::dspark_hf.profiling.NoisySPSWarning")]
+              pytest.mark.filterwarnings("ignore::dspark_hf.decoding.profiling.NoisySPSWarning")]
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +225,7 @@ def test_generate_refines_a_wrong_curve_from_injected_verify_times(monkeypatch, 
         clock[0] += 0.040
         return clock[0]
 
-    from dspark_hf import generation
+    from dspark_hf.decoding import candidate_generator as generation
     monkeypatch.setattr(generation.time, "perf_counter", tick)
     ids = torch.randint(CYCLE_VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
     target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, max_new_tokens=34,
@@ -245,7 +246,7 @@ def test_generate_refines_a_wrong_curve_from_injected_verify_times(monkeypatch, 
 
 def test_scheduler_reads_the_row_of_the_current_context(hf_home):
     """Verification is cheap at short context and steep at long context: ℓ follows the context's row."""
-    from dspark_hf.scheduler import schedule_prefix
+    from dspark_hf.decoding.scheduler import schedule_prefix
 
     target = cycle_target(num_hidden_layers=1, alpha=0.026)
     drafter = cycle_drafter(target, "markov")
@@ -291,7 +292,7 @@ def test_engine_tables():
 
 
 def test_cli_profile_writes_the_engine_table(tmp_path, monkeypatch):
-    from dspark_hf import cli
+    from dspark_hf.cli import main as cli
 
     curve = tiny_sps_curve([20.0, 25.0])
     monkeypatch.setattr(cli, "load_cli_target", lambda args: (None, None))

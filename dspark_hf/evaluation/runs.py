@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from .generation import GenerationStats
+from ..decoding.candidate_generator import GenerationStats
 
 
 @dataclass

@@ -30,8 +30,9 @@ from pathlib import Path
 
 import torch
 
-from .metrics import _bin_sums, _check_probs, _check_rounds, _ece_columns  # the maths lives in .metrics
-from .metrics import (brier_score, conditional_mask, expected_calibration_error, prefix_survival_metrics, roc_auc,
+from ..modeling.modeling_dspark import CALIBRATION_FILE
+from ..metrics import _bin_sums, _check_probs, _check_rounds, _ece_columns  # the maths lives in .metrics
+from ..metrics import (brier_score, conditional_mask, expected_calibration_error, prefix_survival_metrics, roc_auc,
                       survival_labels)
 
 __all__ = [
@@ -48,7 +49,6 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
-CALIBRATION_FILE = "calibration.json"
 # Geometric grid of temperatures 0.1 .. 10 (201 points, ~2.3 % apart); contains T = 1 exactly.
 DEFAULT_GRID = tuple(10.0 ** (k / 100) for k in range(-100, 101))
 

@@ -52,8 +52,8 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from dspark_hf.kernels import linear_kernels
-from dspark_hf.target import cache_root
+from dspark_hf.decoding.kernels import linear_kernels
+from dspark_hf.decoding.targets import cache_root
 
 __all__ = [
     "DEFAULT_CONTEXTS",

@@ -115,3 +115,12 @@ def prepack_linears(model: nn.Module, batch_size_hint: int = 8) -> nn.Module:
         setattr(m, PACKED_ATTR, PackedWeight(m.weight, batch_size_hint))
         m.forward = types.MethodType(_packed_forward, m)
     return model
+
+
+def pack_rows(head: nn.Module, rows: torch.Tensor, weight: torch.Tensor) -> PackedWeight | None:
+    """The packed kernel a drafter uses for the target lm_head ``rows`` it shares (``[V', d]`` of ``weight``
+    ``[V, d]``): the head's own packed copy when it shares all rows, a new one for a subset, ``None`` when the
+    target's linears are not prepacked (``DSparkDrafter.bind``, via ``modeling_dspark.EXTENSIONS``)."""
+    if not is_prepacked(head):
+        return None
+    return getattr(head, PACKED_ATTR) if rows is weight else PackedWeight(rows)

@@ -11,192 +11,49 @@ import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers import initialization as init
-from transformers.models.llama.modeling_llama import (
-    LlamaMLP,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
-)
-
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.utils.hub import cached_file
 
-from .calibration import CALIBRATION_FILE, SequentialTemperatureScaling
-from .config import DSparkConfig
-from .kernels import PACKED_ATTR, PackedWeight, is_prepacked
+from .backbone import DSparkLayer, _llama_config
+from .configuration_dspark import DSparkConfig
 from .heads import ConfidenceHead, MarkovHead, RNNHead
-from .target import check_local_path
+from .outputs import DraftBlock, DraftContext, DraftOutput
+from .target_checks import check_row_independent, lm_head_weight
 
-
-def _llama_config(config: DSparkConfig) -> LlamaConfig:
-    return LlamaConfig(
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        rms_norm_eps=config.rms_norm_eps,
-        max_position_embeddings=config.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
-    )
-
-
-def _lm_head_weight(head) -> torch.Tensor:
-    """The ``[V, d]`` floating-point weight of a target's lm_head, which the drafter shares (paper §2.2).
-
-    Raises:
-        TypeError: ``head`` has no such tensor (a quantized module exposes ``weight`` as a method or an
-            integer tensor); the message says what is supported.
-    """
-    weight = getattr(head, "weight", None)
-    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dim() != 2:
-        raise TypeError(
-            f"DSpark reads the target's lm_head rows directly, so the lm_head must be a module with a floating-point "
-            f"[vocab, hidden] `weight` tensor (nn.Linear in float32/bfloat16/float16); got {type(head).__module__}."
-            f"{type(head).__name__}. Use an unquantized (float32/bfloat16/float16) target."
-        )
-    return weight
-
-
-def _check_row_independent(target):
-    """Refuse targets whose token logits depend on the OTHER tokens of a forward (verification would not be lossless).
-
-    ``torch.ao`` dynamic quantization computes one activation scale per forward over all its tokens, so the
-    verification forward's logits at a position depend on the values of the drafts after it, and acceptance
-    would depend on draft values (paper Appendix A). Float kernels (any batch size) are row-independent.
-
-    Raises:
-        TypeError: a dynamically quantized module is found; the message names what is supported.
-    """
-    dynamic = sorted({type(m).__name__ for m in target.modules() if type(m).__module__.startswith("torch.ao.nn.quantized.dynamic")})
-    if dynamic:
-        raise TypeError(
-            f"The target has dynamically quantized modules ({', '.join(dynamic)}: torch.ao quantize_dynamic). Their "
-            "activation scale is computed over all tokens of a forward, so a verified token's logits would depend on "
-            "the drafts verified with it and speculative decoding would not be lossless. Use a float32/bfloat16/float16 "
-            "target, or a weight-only quantization whose tokens are computed independently."
-        )
-
-
-class DSparkAttention(nn.Module):
-    """GQA attention whose keys/values are ``[W_K H_ctx ; W_K H_d]`` (eq. 3).
-
-    With ``config.qk_norm`` (v2), queries and keys (block and context keys alike) go through a
-    per-head RMSNorm (``q_norm``/``k_norm``, weight ``[head_dim]``, Qwen3 style) before RoPE.
-    """
-
-    def __init__(self, config: DSparkConfig):
-        super().__init__()
-        d, hd = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
-        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
-        self.q_norm = LlamaRMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = LlamaRMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
-
-    def _heads(self, x: torch.Tensor, n: int, norm: nn.Module | None = None) -> torch.Tensor:
-        """``[B, n, heads*hd]`` -> ``[B, heads, n, hd]``, per-head RMS-normed by ``norm`` when given."""
-        x = x.view(*x.shape[:2], n, self.head_dim)
-        return (x if norm is None else norm(x)).transpose(1, 2)
-
-    def key_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Rotary keys and values of ``x`` ``[B, n, d]`` -> two ``[B, kv_heads, n, head_dim]``."""
-        k = self._heads(self.k_proj(x), self.num_kv_heads, self.k_norm)
-        v = self._heads(self.v_proj(x), self.num_kv_heads)
-        k, _ = apply_rotary_pos_emb(k, k, cos, sin)
-        return k, v
-
-    def forward(self, x, cos, sin, context_kv, anchors=None):
-        """``x`` ``[B, q, d]`` block states attend to ``context_kv`` and to their own block.
-
-        With ``anchors`` ``[B, A]`` (training), ``x`` packs ``A`` blocks of ``γ = q / A`` positions:
-        block ``b`` sees context positions ``< anchors[:, b]`` and its own γ positions only.
-        """
-        q = self._heads(self.q_proj(x), self.num_heads, self.q_norm)
-        q, _ = apply_rotary_pos_emb(q, q, cos, sin)
-        k, v = self.key_values(x, cos, sin)
-        if anchors is None:
-            k = torch.cat([context_kv[0], k], dim=2)
-            v = torch.cat([context_kv[1], v], dim=2)
-            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=self.num_kv_heads != self.num_heads)
-        else:
-            out = self._packed_attention(q, *context_kv, k, v, anchors)
-        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
-
-    def _packed_attention(self, q, k_ctx, v_ctx, k_blk, v_blk, anchors):
-        """Anchor-bounded attention in two parts (context, own block) without a dense ``[q, n + q]`` mask."""
-        S, H, Q, hd = q.shape
-        A = anchors.shape[1]
-        gamma = Q // A
-        rep = H // self.num_kv_heads
-        k_ctx, v_ctx, k_blk, v_blk = (t.repeat_interleave(rep, dim=1) for t in (k_ctx, v_ctx, k_blk, v_blk))
-        scale = hd**-0.5
-        n = k_ctx.shape[2]
-        visible = torch.arange(n, device=q.device) < anchors.repeat_interleave(gamma, dim=1)[..., None]
-        s_ctx = (q @ k_ctx.transpose(-1, -2) * scale).masked_fill(~visible[:, None], float("-inf"))
-        qb, kb = q.view(S, H, A, gamma, hd), k_blk.view(S, H, A, gamma, hd)
-        s_blk = (qb @ kb.transpose(-1, -2) * scale).view(S, H, Q, gamma)
-        p = torch.cat([s_ctx, s_blk], dim=-1).softmax(-1)
-        own = p[..., n:].view(S, H, A, gamma, gamma) @ v_blk.view(S, H, A, gamma, hd)
-        return p[..., :n] @ v_ctx + own.view(S, H, Q, hd)
-
-
-class DSparkLayer(nn.Module):
-    """Llama-style pre-norm decoder layer (RMSNorm, GQA attention with context injection, SwiGLU)."""
-
-    def __init__(self, config: DSparkConfig):
-        super().__init__()
-        llama = _llama_config(config)
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DSparkAttention(config)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(llama)
-
-    def forward(self, x, cos, sin, context_kv, anchors=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, anchors)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class DraftContext:
-    """The drafter's context K/V cache for one request: per layer ``[1, kv_heads, n, head_dim]``.
-
-    It only ever holds positions the target has ACCEPTED (the features of a round's accepted prefix
-    are appended after verification), so a rejection never leaves stale entries to crop.
-    """
-
-    def __init__(self, num_layers: int):
-        self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
-        self.length = 0
-
-    def append(self, kv_per_layer: list[tuple[torch.Tensor, torch.Tensor]], n: int):
-        for i, (k, v) in enumerate(kv_per_layer):
-            old = self.layers[i]
-            self.layers[i] = (k, v) if old is None else (torch.cat([old[0], k], 2), torch.cat([old[1], v], 2))
-        self.length += n
+CALIBRATION_FILE = "calibration.json"  # the STS temperatures next to the weights (dspark_hf.decoding.calibration)
 
 
 @dataclass
-class DraftBlock:
-    """One drafted block for one request (γ = ``tokens.numel()``).
+class DrafterExtensions:
+    """What the installed ``dspark_hf`` plugs into the drafter (set by ``dspark_hf/__init__.py``).
+
+    This module and its siblings are exactly the remote code a drafter's Hub repo ships for
+    ``trust_remote_code``: torch and transformers only. The rest of the package (calibration, CPU kernels,
+    foreign checkpoint formats) lives in higher layers and attaches here; without them the drafter still
+    loads, runs its forward and drafts (no calibration, stock kernels).
 
     Attributes:
-        tokens: ``[γ]`` target-vocabulary ids, sampled left to right from ``logits``.
-        logits: ``[γ, V]`` full-vocabulary draft logits after the logits processors (``-inf`` outside
-            the draft vocabulary); sampling drew each token from ``softmax(logits[k])``. ``None`` for
-            greedy drafting without logits processors (the argmax is taken in the draft vocabulary).
-        confidences: ``[γ]`` raw conditional survival probabilities c_k (eq. 7), or ``None``.
+        check_path: ``(name_or_path, what)`` -> None; raises at once for a missing local folder.
+        load_calibration: ``(file)`` -> the calibration object of ``calibration.json`` (``.save(dir)``, ``.temperatures``).
+        pack_rows: ``(lm_head, rows, weight)`` -> a packed kernel for the shared lm_head rows (``.linear(x, rows)``) or None.
+        import_checkpoint: ``(name_or_path, config_dict, hub_kwargs)`` -> a drafter converted from another
+            checkpoint format, or None when ``config_dict`` is this package's format.
     """
 
-    tokens: torch.Tensor
-    logits: torch.Tensor
-    confidences: torch.Tensor | None
+    check_path: Callable[[Any, str], None] | None = None
+    load_calibration: Callable[[str], Any] | None = None
+    pack_rows: Callable[[nn.Module, torch.Tensor, torch.Tensor], Any] | None = None
+    import_checkpoint: Callable[[Any, dict, dict], Any] | None = None
+
+
+EXTENSIONS = DrafterExtensions()
 
 
 class DSparkDrafter(PreTrainedModel):
@@ -219,7 +76,7 @@ class DSparkDrafter(PreTrainedModel):
 
     def __init__(self, config: DSparkConfig):
         super().__init__(config)
-        self.calibration: SequentialTemperatureScaling | None = None  # STS of the confidences, §3.2.1
+        self.calibration = None  # STS of the confidences, §3.2.1 (dspark_hf.decoding.calibration)
         self.last_stats = None  # per-round statistics of the last generate() call
         d, r = config.hidden_size, config.sequential_rank
         vocab = config.draft_vocab_size or config.vocab_size
@@ -278,21 +135,22 @@ class DSparkDrafter(PreTrainedModel):
             FileNotFoundError: the argument looks like a local folder that does not exist (at once, naming
                 the directory it was resolved against; :func:`~dspark_hf.target.check_local_path`).
         """
-        check_local_path(pretrained_model_name_or_path, "drafter")
+        if EXTENSIONS.check_path is not None:
+            EXTENSIONS.check_path(pretrained_model_name_or_path, "drafter")
         hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only") if k in kwargs}
-        config_file = cached_file(pretrained_model_name_or_path, "config.json", _raise_exceptions_for_missing_entries=False, **hub)
-        if config_file is not None:
-            from .export import checkpoint_format, import_drafter
-
-            if checkpoint_format(json.loads(Path(config_file).read_text())) is not None:
-                model = import_drafter(pretrained_model_name_or_path, **hub)
-                return model.to(kwargs["dtype"]) if kwargs.get("dtype") not in (None, "auto") else model
+        if EXTENSIONS.import_checkpoint is not None:
+            config_file = cached_file(pretrained_model_name_or_path, "config.json", _raise_exceptions_for_missing_entries=False, **hub)
+            if config_file is not None:
+                config_dict = json.loads(Path(config_file).read_text())
+                model = EXTENSIONS.import_checkpoint(pretrained_model_name_or_path, config_dict, hub)
+                if model is not None:
+                    return model.to(kwargs["dtype"]) if kwargs.get("dtype") not in (None, "auto") else model
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         file = cached_file(
             pretrained_model_name_or_path, CALIBRATION_FILE, _raise_exceptions_for_missing_entries=False, **hub
         )
-        if file is not None:
-            model.calibration = SequentialTemperatureScaling.load(file)
+        if file is not None and EXTENSIONS.load_calibration is not None:
+            model.calibration = EXTENSIONS.load_calibration(file)
         return model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -335,8 +193,8 @@ class DSparkDrafter(PreTrainedModel):
             return self
         tc = target.config.get_text_config()
         head, embed = target.get_output_embeddings(), target.get_input_embeddings()
-        weight = _lm_head_weight(head)
-        _check_row_independent(target)
+        weight = lm_head_weight(head)
+        check_row_independent(target)
         fix = "Use a drafter trained for this target, or train one with `dspark train`."
         if weight.shape[0] != self.config.vocab_size:
             raise ValueError(f"Vocabulary mismatch: target lm_head has {weight.shape[0]} rows, drafter expects {self.config.vocab_size}. {fix}")
@@ -352,9 +210,7 @@ class DSparkDrafter(PreTrainedModel):
         with torch.inference_mode(False), torch.no_grad():
             self.to(device=weight.device, dtype=weight.dtype)
             rows = weight if self.draft_vocab.numel() == weight.shape[0] else weight[self.draft_vocab]
-            packed = None
-            if is_prepacked(head):  # CPU: the target's kernels (dspark_hf.kernels); all rows: reuse the head's packed copy
-                packed = getattr(head, PACKED_ATTR) if rows is weight else PackedWeight(rows)
+            packed = EXTENSIONS.pack_rows(head, rows, weight) if EXTENSIONS.pack_rows is not None else None  # CPU kernels
         self.__dict__["_shared"] = (embed, rows.detach(), packed)
         self.__dict__["_bound_target"] = target  # last: a failed bind leaves the drafter unbound
         return self
@@ -552,25 +408,22 @@ class DSparkDrafter(PreTrainedModel):
         )
 
 
-@dataclass
-class DraftOutput:
-    """Training outputs: ``logits`` ``[..., γ, V']`` (U + B), ``confidence_logits`` ``[..., γ]``, ``hidden``."""
-
-    logits: torch.Tensor
-    confidence_logits: torch.Tensor | None
-    hidden: torch.Tensor
-
 
 def _route_remote_copy() -> None:
-    """This file also ships with each drafter for ``trust_remote_code`` (``hub.py``). Loaded that way, import the
-    installed ``dspark_hf`` so ``target.generate(assistant_model=drafter)`` is routed as after ``import dspark_hf``."""
+    """This file also ships with each drafter for ``trust_remote_code`` (``dspark card`` writes it with
+    ``save_pretrained``). Loaded that way, import the installed package's copy of this module: that imports
+    ``dspark_hf``, which routes ``target.generate(assistant_model=drafter)`` as after ``import dspark_hf``, and
+    this copy then shares its extensions (``calibration.json``, kernels)."""
+    global EXTENSIONS
     if not __package__ or __package__.split(".")[0] == "dspark_hf":
         return
     try:
-        import dspark_hf  # noqa: F401  (importing it installs the generate() routing)
+        from dspark_hf.modeling import modeling_dspark as installed
     except ImportError:
         warnings.warn("This DSpark drafter was loaded with trust_remote_code, but generate(assistant_model=drafter) "
                       "needs the dspark-hf package to route it: pip install dspark-hf.")
+        return
+    EXTENSIONS = installed.EXTENSIONS
 
 
 _route_remote_copy()

@@ -36,9 +36,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers.utils.hub import cached_file
 
-from .calibration import CALIBRATION_FILE, SequentialTemperatureScaling
-from .config import DSparkConfig
-from .model import DSparkDrafter
+from ..decoding.calibration import CALIBRATION_FILE, SequentialTemperatureScaling
+from ..modeling.configuration_dspark import DSparkConfig
+from ..modeling.modeling_dspark import DSparkDrafter
 
 FORMATS = ("speculators", "deepspec")
 OUTSIDE_LOGIT = -1e4  # deepspec: Markov bias on tokens outside a reduced draft vocabulary
@@ -259,6 +259,12 @@ def checkpoint_format(config_dict: dict) -> str | None:
     if "DSparkDraftModel" in (config_dict.get("architectures") or []) and "dflash_config" in config_dict:
         return "deepspec"
     return None
+
+
+def import_checkpoint(path: str | Path, config_dict: dict, hub_kwargs: dict) -> DSparkDrafter | None:
+    """:func:`import_drafter` for a checkpoint whose ``config.json`` is ``config_dict``, ``None`` for a dspark-hf
+    folder (``DSparkDrafter.from_pretrained`` calls it through ``modeling_dspark.EXTENSIONS``)."""
+    return import_drafter(path, **hub_kwargs) if checkpoint_format(config_dict) is not None else None
 
 
 def import_drafter(path: str | Path, **hub_kwargs) -> DSparkDrafter:

@@ -39,9 +39,9 @@ import torch
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from .config import MAX_BLOCK_SIZE, SCHEDULED_MODES, VERIFICATION_MODES
-from .data import chat_ids
-from .metrics import tau
+from ..modeling.configuration_dspark import MAX_BLOCK_SIZE, SCHEDULED_MODES, VERIFICATION_MODES
+from ..training.data import chat_ids
+from ..metrics import tau
 
 # span kinds: text tokens, then the drafts that never made it into the text ("ghosts")
 DRAFT, LOOKUP, BONUS, CORRECTION, TARGET, PLAIN = "draft", "lookup", "bonus", "correction", "target", "plain"
@@ -531,7 +531,7 @@ def check_mode(drafter, mode: str) -> str | None:
 def check_lookup(drafter, lookup: bool, gamma: int) -> str | None:
     """Why ``dspark_lookup`` cannot run with this drafter and γ (the message of :func:`~dspark_hf.lookup.lookup_enabled`),
     or ``None``."""
-    from .lookup import lookup_enabled
+    from ..decoding.lookup import lookup_enabled
 
     try:
         lookup_enabled(bool(lookup), drafter, gamma)
@@ -549,7 +549,7 @@ def stream_generation(target, tokenizer, prompt_ids: list[int], max_new_tokens: 
     ``dspark_threshold``); without, plain ``generate`` (tokens kind ``plain``). The last transcript
     yielded has ``seconds`` set (and ``error`` if ``generate`` raised). Setting ``stop`` ends the run early.
     """
-    from .evaluation import timed_generate
+    from ..evaluation.runs import timed_generate
 
     events: queue.Queue = queue.Queue()
     transcript = Transcript(tokenizer)
@@ -762,15 +762,15 @@ def launch(target=None, tokenizer=None, drafter=None, *, port: int | None = None
         prevent_thread_lock: return at once, serving from a background thread (tests).
         app_kwargs: passed to :func:`build_app`.
     """
-    from .model import DSparkDrafter
-    from .target import load_target
+    from ..modeling.modeling_dspark import DSparkDrafter
+    from ..decoding.targets import load_target
 
     if target is None or isinstance(target, (str, os.PathLike)):
         target, tokenizer = load_target(target)
     elif tokenizer is None:
         raise ValueError("launch(target=<model>) needs its tokenizer too.")
     if drafter is None:
-        from .cli import DEFAULT_DRAFTER
+        from ..cli.main import DEFAULT_DRAFTER
 
         if not DEFAULT_DRAFTER.is_dir():
             raise FileNotFoundError(f"No drafter at {DEFAULT_DRAFTER}; pass drafter=<folder, Hub id or DSparkDrafter>.")
@@ -803,7 +803,7 @@ def cmd_demo(args):
         import gradio  # noqa: F401
     except ModuleNotFoundError:
         sys.exit("The demo needs Gradio: pip install 'dspark-hf[demo]'")
-    from .cli import _load
+    from ..cli.main import _load
 
     target, tokenizer, drafter = _load(args)
     launch(target, tokenizer, drafter, port=args.port, share=args.share, server_name=args.host)

@@ -24,8 +24,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from .calibration import CALIBRATION_FILE
-from .config import SCHEDULED_MODES
+from ..decoding.calibration import CALIBRATION_FILE
+from ..modeling.configuration_dspark import SCHEDULED_MODES
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 CARD_TEMPLATE = TEMPLATES / "model_card.md"
@@ -369,7 +369,7 @@ def card_repo_id(model_dir: str | Path) -> str | None:
 
 def write_custom_generate(model_dir: str | Path, repo_id: str | None = None) -> Path:
     """Write ``custom_generate/generate.py`` (the template, ``DRAFTER_REPO = repo_id``) and ``requirements.txt``."""
-    from . import __version__
+    from .. import __version__
 
     out = Path(model_dir) / "custom_generate"
     out.mkdir(parents=True, exist_ok=True)
@@ -417,7 +417,7 @@ def write_card(model_dir: str | Path, bench: dict | str | Path | None = None, re
         FileNotFoundError: no ``config.json``, or modeling code missing; ``bench`` file missing.
         ValueError: the config's target is not a Hub id.
     """
-    from .config import DSparkConfig
+    from ..modeling.configuration_dspark import DSparkConfig
 
     model_dir = Path(model_dir)
     if repo_id is not None:

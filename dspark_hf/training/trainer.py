@@ -25,9 +25,9 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast, send_to_device
 from tqdm.auto import tqdm
 
-from .config import DSparkConfig
+from ..modeling.configuration_dspark import DSparkConfig
 from .data import load_shards
-from .model import DSparkDrafter
+from ..modeling.modeling_dspark import DSparkDrafter
 
 MAX_SHARD_SIZE = "16MB"  # safetensors shards of saved drafters (save_pretrained's max_shard_size): each file < 16 MiB
 

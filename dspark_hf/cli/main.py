@@ -8,7 +8,7 @@ import platform
 import sys
 from pathlib import Path
 
-from .config import MAX_BLOCK_SIZE, VERIFICATION_MODES
+from ..modeling.configuration_dspark import MAX_BLOCK_SIZE, VERIFICATION_MODES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DRAFTER = REPO_ROOT / "model_cards" / "dspark-smollm2-135m-instruct"
@@ -75,7 +75,7 @@ def check_prompt_fits(prompt_length: int, max_new_tokens: int, target) -> None:
 def load_cli_target(args):
     """``(target, tokenizer)`` for ``--target`` on ``--device``; on the CPU with oneDNN-prepacked kernels unless
     ``--stock-kernels``."""
-    from .target import load_target
+    from ..decoding.targets import load_target
 
     check_location(args.target, "--target")
     device = getattr(args, "device", "cpu")
@@ -85,7 +85,7 @@ def load_cli_target(args):
 
 
 def _load(args, need_drafter: bool = True):
-    from .model import DSparkDrafter
+    from ..modeling.modeling_dspark import DSparkDrafter
 
     if need_drafter:
         check_location(args.drafter, "--drafter")
@@ -101,8 +101,8 @@ def cmd_info(args):
     import torch
     import transformers
 
-    from . import __version__
-    from .target import DEFAULT_TARGET_NAME, cache_root, default_target_dir, default_target_gguf
+    from .. import __version__
+    from ..decoding.targets import DEFAULT_TARGET_NAME, cache_root, default_target_dir, default_target_gguf
 
     try:
         gguf = str(default_target_gguf())
@@ -126,8 +126,8 @@ def cmd_info(args):
 def cmd_generate(args):
     from transformers import TextStreamer
 
-    from .data import chat_ids
-    from .evaluation import timed_generate
+    from ..training.data import chat_ids
+    from ..evaluation.runs import timed_generate
 
     target, tokenizer, drafter = _load(args)
     prompt_ids = chat_ids(tokenizer, args.prompt)
@@ -143,7 +143,7 @@ def cmd_generate(args):
     except ValueError as err:
         sys.exit(f"dspark generate: {err}")
     if drafter.sps_curve is not None and drafter.sps_curve.observations:  # keep what this run taught the curve
-        from .profiling import save_sps
+        from ..decoding.profiling import save_sps
 
         save_sps(drafter.sps_curve, target)
     result = {
@@ -175,7 +175,7 @@ def default_max_tokens() -> int:
 
 
 def cmd_profile(args):
-    from .profiling import DEFAULT_CONTEXTS, load_or_profile_sps, plot_sps, profile_sps, sps_cache_path
+    from ..decoding.profiling import DEFAULT_CONTEXTS, load_or_profile_sps, plot_sps, profile_sps, sps_cache_path
 
     target, _ = load_cli_target(args)
     contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else DEFAULT_CONTEXTS
@@ -203,14 +203,14 @@ def cmd_profile(args):
 def cmd_train(args):
     from accelerate import PartialState
 
-    from .config import spread_layer_ids
-    from .data import prepare_data
-    from .target import load_target
-    from .training import TrainConfig, train
+    from ..modeling.configuration_dspark import spread_layer_ids
+    from ..training.data import prepare_data
+    from ..decoding.targets import load_target
+    from ..training.trainer import TrainConfig, train
 
     cfg = TrainConfig.from_yaml(args.config)
     if args.export_tokens:
-        from .data import export_tokens
+        from ..training.data import export_tokens
 
         if not cfg.tokens_file:
             sys.exit(f"--export-tokens writes the config's tokens_file, and {args.config} sets none.")
@@ -249,9 +249,9 @@ def _worker(text: str) -> tuple[int, int]:
 
 
 def cmd_calibrate(args):
-    from .calibration import SequentialTemperatureScaling, reliability_diagram
-    from .data import sharegpt_queue
-    from .evaluation import collect_rounds
+    from ..decoding.calibration import SequentialTemperatureScaling, reliability_diagram
+    from ..training.data import sharegpt_queue
+    from ..evaluation.runs import collect_rounds
 
     target, tokenizer, drafter = _load(args)
     prompts = [ids for _, _, ids in sharegpt_queue(tokenizer, ("calibration",))[: args.prompts]]
@@ -269,14 +269,14 @@ DEFAULT_THREADS = 1  # see the README's "Threads and load": 2 threads collapse o
 
 
 def cmd_export(args):
-    from .export import export_drafter
-    from .model import DSparkDrafter
+    from ..hub.export import export_drafter
+    from ..modeling.modeling_dspark import DSparkDrafter
 
     drafter = DSparkDrafter.from_pretrained(args.drafter_dir)
     if args.format == "speculators" and drafter.config.draft_vocab_size:  # stores the target's lm_head rows
         from transformers import AutoModelForCausalLM
 
-        from .target import load_default_target
+        from ..decoding.targets import load_default_target
 
         target = load_default_target(prepack=False)[0] if args.target is None else AutoModelForCausalLM.from_pretrained(args.target)
         drafter.bind(target)
@@ -288,7 +288,7 @@ def cmd_export(args):
 
 
 def cmd_import(args):
-    from .model import DSparkDrafter
+    from ..modeling.modeling_dspark import DSparkDrafter
 
     drafter = DSparkDrafter.from_pretrained(args.checkpoint)
     drafter.save_pretrained(args.out)
@@ -375,7 +375,11 @@ def main(argv=None):
     p.add_argument("checkpoint", help="checkpoint folder or Hub id")
     p.add_argument("--out", required=True, help="output folder (loadable with DSparkDrafter.from_pretrained)")
 
-    from . import bench, demo, hub
+    from ..bench import runner as bench
+
+    from ..demo import app as demo
+
+    from ..hub import card as hub
 
     for module in (bench, hub, demo):
         module.add_cli(sub, command)

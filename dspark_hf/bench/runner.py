@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from .metrics import conditional_acceptance, tau
+from ..metrics import conditional_acceptance, tau
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DRAFTERS = ("dspark=model_cards/dspark-smollm2-135m-instruct,dspark-rnn=ablations/dspark-rnn-smollm2-135m-instruct,"
@@ -87,7 +87,7 @@ def suite_texts(names: Sequence[str], prompts_file: str | None = None) -> dict[s
     Raises:
         ValueError: an unknown suite, or ``custom`` without ``prompts_file``.
     """
-    from .data import humaneval_prompts, is_math_problem, sharegpt_prompts
+    from ..training.data import humaneval_prompts, is_math_problem, sharegpt_prompts
 
     unknown = set(names) - {*SUITES, "custom"}
     if unknown:
@@ -110,7 +110,7 @@ def encode_suites(tokenizer, texts: dict[str, list[tuple[str, str]]], limit: int
     Returns:
         ``({suite: [(id, ids), ...]}, {suite: n_skipped_too_long})``.
     """
-    from .data import chat_ids
+    from ..training.data import chat_ids
 
     suites, skipped = {}, {}
     for name, pairs in texts.items():
@@ -336,7 +336,7 @@ class Method:
     adapter: BuiltinDFlashAdapter | None = None
 
     def run(self, target, ids, max_new_tokens, drafters, seed=0):
-        from .evaluation import timed_generate
+        from ..evaluation.runs import timed_generate
 
         drafter = drafters[self.drafter] if self.drafter and self.adapter is None else None
         run = timed_generate(target, ids, max_new_tokens, 0.0, drafter, seed=seed, **self.kwargs)
@@ -353,7 +353,7 @@ def modes_of(drafter) -> list[str]:
 def lookup_mode_of(drafter, gamma: int) -> str | None:
     """Verification mode of a drafter's hybrid method (``dspark_lookup=True``, :mod:`dspark_hf.lookup`): its
     config's mode when that is a scheduled one, else ``"async"``; ``None`` without calibrated confidences for γ."""
-    from .config import SCHEDULED_MODES
+    from ..modeling.configuration_dspark import SCHEDULED_MODES
 
     calibration = drafter.calibration
     if drafter.confidence is None or calibration is None or len(calibration.temperatures) < gamma:
@@ -407,7 +407,7 @@ def sampled_rounds_pass(target, drafters, suites, settings: BenchSettings, log=_
     Returns:
         ``{drafter: {suite: [GenerationStats, ...]}}``.
     """
-    from .evaluation import timed_generate
+    from ..evaluation.runs import timed_generate
 
     out = {d: {s: [] for s in suites} for d in drafters}
     for suite, prompts in suites.items():
@@ -646,9 +646,9 @@ def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps
     Returns:
         ``(result, raw)``: the JSON-ready result and the raw records the plots need.
     """
-    from . import data
-    from .kernels import linear_kernels
-    from .profiling import load_or_profile_sps
+    from ..training import data
+    from ..decoding.kernels import linear_kernels
+    from ..decoding.profiling import load_or_profile_sps
 
     notes = list(notes or [])
     start = time.perf_counter()
@@ -771,8 +771,8 @@ def load_drafters(spec: dict[str, str], target, gamma: int, log=_log_default) ->
     Raises:
         ValueError: a calibration that covers fewer than γ positions.
     """
-    from .calibration import SequentialTemperatureScaling
-    from .model import DSparkDrafter
+    from ..decoding.calibration import SequentialTemperatureScaling
+    from ..modeling.modeling_dspark import DSparkDrafter
 
     drafters, notes = {}, []
     for name, path in spec.items():
@@ -947,7 +947,7 @@ def _figure(ncols=1, nrows=1, width=4.0, height=3.2):
 
 def write_plots(result: dict, raw: dict, out_dir: Path, drafters: dict) -> list[str]:
     """Conditional acceptance per suite, threshold sweep per drafter, SPS curve, reliability, speedups."""
-    from .calibration import reliability_diagram
+    from ..decoding.calibration import reliability_diagram
 
     written, gamma = [], result["settings"]["gamma"]
     positions = list(range(1, gamma + 1))
@@ -1063,7 +1063,7 @@ def settings_from_args(args) -> tuple[BenchSettings, list[str]]:
 
 
 def cmd_bench(args):
-    from .cli import load_cli_target
+    from ..cli.main import load_cli_target
 
     started = time.perf_counter()
     try:

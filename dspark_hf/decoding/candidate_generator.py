@@ -1,0 +1,195 @@
+"""`target.generate(..., assistant_model=drafter)` with DSpark drafting and confidence scheduling.
+
+Routing ``generate`` here is :mod:`dspark_hf.decoding.routing`; the verification modes are
+:mod:`dspark_hf.decoding.verification`.
+
+Per-call settings (keyword arguments of ``generate``):
+
+* ``dspark_block_size``: block size γ (default ``drafter.config.block_size``);
+* ``dspark_verification``: ``"scheduler"`` (paper Algorithm 1; the default of a new ``DSparkConfig``), ``"async"`` (paper §5.2: the
+  global search without early stop, on confidences that no draft of the block depends on), ``"fixed"`` (verify all γ, the paper's
+  Table 1 protocol) or ``"threshold"`` (verify while c_k >= threshold);
+* ``dspark_threshold``: the threshold of ``"threshold"`` mode (default 0.4);
+* ``dspark_lookup``: ``True`` to also look up n-gram continuations in the prompt and the generated text and
+  propose, each round, a lookup continuation, the DSpark block or a lookup prefix continued by DSpark, by
+  expected throughput (:mod:`dspark_hf.decoding.lookup`; default ``False``).
+
+The defaults come from the drafter's config (``block_size``, ``verification``, ``confidence_threshold``).
+transformers' ``num_assistant_tokens`` is honoured as γ (the same meaning); the other assistant options
+(``num_assistant_tokens_schedule`` other than ``"constant"``, ``assistant_confidence_threshold``,
+``prompt_lookup_num_tokens``, ``assistant_early_exit``, ``assistant_ensemble_weight``, ``use_mtp``) raise
+before any compute, naming the DSpark equivalent; ``dspark_*`` settings without a DSpark drafter raise too.
+Stopping criteria other than max length / EOS / max time (stop strings, custom criteria) are applied after
+every token of a verified round and the output is cut at the first stop, as plain ``generate`` stops.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers.generation.candidate_generator import CandidateGenerator
+
+from ..modeling.configuration_dspark import MAX_BLOCK_SIZE, VERIFICATION_MODES
+from ..modeling.modeling_dspark import DSparkDrafter
+from .kernels import is_prepacked, prepack_linears
+from .lookup import LookupDrafting, lookup_enabled, one_hot_logits
+from .profiling import load_or_profile_sps
+from .settings import call_block_size
+from .stats import GenerationStats, RoundStats
+from .verification import POLICIES, unmet_need
+
+
+def _setting(generation_config, name, default):
+    value = getattr(generation_config, name, None)
+    return default if value is None else value
+
+
+class DSparkCandidateGenerator(CandidateGenerator):
+    """Drafts one DSpark block per round and returns its scheduled prefix (paper Fig. 1).
+
+    Each round it appends the target's hidden states of the newly accepted positions to the drafter's
+    context cache, drafts γ tokens from the anchor (the last token of ``input_ids``), picks a prefix
+    length ℓ by the verification mode and returns ``input_ids + drafts[:ℓ]``. With sampling the drafts
+    are drawn from the returned (processed) logits, so transformers' speculative sampling is exact;
+    with greedy decoding no logits are returned and the target's argmax decides. With ``dspark_lookup=True`` a
+    :class:`~dspark_hf.lookup.LookupDrafting` plans each round first: a prompt-lookup continuation (no drafter
+    pass, one-hot proposal logits), the DSpark block, or lookup tokens forced as the block's first drafts.
+
+    Raises:
+        ValueError: batch size > 1, an unknown verification mode, a non-``fixed`` mode without a
+            confidence head, or ``scheduler``/``async`` mode without a calibration covering γ.
+    """
+
+    requires_model_outputs = True
+
+    def __init__(self, target, drafter: DSparkDrafter, generation_config, logits_processor, input_ids):
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"DSpark speculative decoding supports batch size 1 in `generate` (got {input_ids.shape[0]}); "
+                "call generate once per prompt."
+            )
+        self.drafter = drafter.bind(target)
+        if is_prepacked(target):  # the drafter runs the same CPU kernels as its target (no-op when done)
+            prepack_linears(self.drafter)
+        cfg = drafter.config
+        self.block_size = call_block_size(generation_config, cfg.block_size)
+        self.mode = _setting(generation_config, "dspark_verification", cfg.verification)
+        self.threshold = float(_setting(generation_config, "dspark_threshold", cfg.confidence_threshold))
+        self._check_mode()
+        use_lookup = lookup_enabled(_setting(generation_config, "dspark_lookup", False), drafter, self.block_size)
+        stale = drafter.sps_curve is None or drafter.sps_curve.max_tokens <= self.block_size
+        if (POLICIES[self.mode].needs_calibration or use_lookup) and stale:
+            drafter.set_sps_curve(load_or_profile_sps(target, max_tokens=max(cfg.block_size, self.block_size) + 1))
+        self.sps = drafter.sps_curve
+        self.lookup = LookupDrafting(drafter.calibration, self.sps.steps_per_s, MAX_BLOCK_SIZE) if use_lookup else None
+        self.do_sample = bool(generation_config.do_sample)
+        self.logits_processor = logits_processor
+        self.max_length = generation_config.max_length
+        self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in cfg.target_layer_ids]}
+        self.context = drafter.new_context()
+        self.stats = GenerationStats(verification=self.mode)
+        drafter.last_stats = self.stats
+        if (mirror := drafter.__dict__.get("_stats_mirror")) is not None:  # the trust_remote_code copy it stands for
+            mirror.last_stats = self.stats
+        self._verify_start = None
+        self._verify_context = 0  # tokens in the target's cache before the round's verification
+
+    def _check_mode(self):
+        need = unmet_need(self.drafter, self.mode, self.block_size)
+        if need == "mode":
+            raise ValueError(f"dspark_verification must be one of {VERIFICATION_MODES}, got {self.mode!r}")
+        if self.mode == "threshold" and not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"dspark_threshold must be a probability in [0, 1], got {self.threshold}")
+        if need == "confidence":
+            raise ValueError(
+                f"Verification mode {self.mode!r} needs a confidence head, and this drafter has none; "
+                "pass dspark_verification='fixed'."
+            )
+        if need == "calibration":
+            raise ValueError(
+                f"The {self.mode!r} mode needs calibrated confidences and this drafter has no calibration.json: run "
+                "`dspark calibrate`, attach one with `drafter.calibration = SequentialTemperatureScaling(...)`, "
+                "or pass dspark_verification='fixed'."
+            )
+        if need == "calibration_length":
+            raise ValueError(
+                f"The calibration covers {len(self.drafter.calibration.temperatures)} positions but "
+                f"dspark_block_size is {self.block_size}: lower dspark_block_size or rerun `dspark calibrate` "
+                "with that block size."
+            )
+        self.policy = POLICIES[self.mode]()
+
+    def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, **kwargs):
+        """See :class:`~transformers.generation.CandidateGenerator`; the first call lets the target prefill."""
+        if is_first_iteration:
+            return input_ids, None
+        self._extend_context(input_ids, model_outputs)
+        gamma = min(self.block_size, self.max_length - input_ids.shape[1] - 1)
+        if gamma <= 0:  # one token left: the target verifies the anchor alone, a round without drafts
+            self._start_verification(RoundStats(drafted=0, scheduled=0))
+            return input_ids, None
+        start = time.perf_counter()
+        self._verify_context = input_ids.shape[1] - 1  # the scheduler reads the SPS row of this context
+        room = self.max_length - input_ids.shape[1] - 1
+        plan = self.lookup.plan(input_ids, gamma, room) if self.lookup is not None else None  # before any drafting
+        if plan is not None and plan.source == "lookup":  # no drafter pass
+            drafts, confidences = torch.tensor(plan.lookup_tokens), None
+            draft_logits = one_hot_logits(drafts, self.drafter.config.vocab_size) if self.do_sample else None
+            scheduled = plan.length
+        else:
+            forced = torch.tensor(plan.lookup_tokens) if plan is not None and plan.source == "hybrid" else None
+            block = self.drafter.draft(
+                self.context, int(input_ids[0, -1]), gamma, self.do_sample, self.logits_processor, input_ids,
+                forced_tokens=forced,
+            )
+            if self.lookup is not None:
+                self.lookup.observe_block(block.confidences)
+            drafts, confidences, draft_logits = block.tokens, block.confidences, block.logits
+            scheduled = plan.length if forced is not None else self._prefix_length(block, gamma)
+        length = scheduled  # never looks at a draft's own value (Appendix A); stop strings act after verification
+        self._start_verification(
+            RoundStats(
+                drafted=drafts.numel(),
+                scheduled=length,
+                draft_tokens=drafts.tolist(),
+                confidences=confidences.tolist() if confidences is not None else [],
+                draft_ms=1e3 * (time.perf_counter() - start),
+                lookup=len(plan.lookup_tokens) if plan is not None else 0,
+            )
+        )
+        candidates = torch.cat([input_ids, drafts[:length][None].to(input_ids.device)], dim=-1)
+        logits = draft_logits[None, :length] if self.do_sample and length > 0 else None
+        return candidates, logits
+
+    def _start_verification(self, round_stats: RoundStats):
+        """Record the round about to be verified and start its verify timer."""
+        self.stats.rounds.append(round_stats)
+        self._verify_start = time.perf_counter()
+
+    def _extend_context(self, input_ids, model_outputs):
+        """Append the hidden states of positions ``context.length .. L-2`` (all accepted) to the cache."""
+        n_new = input_ids.shape[1] - 1 - self.context.length
+        if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
+            raise RuntimeError("DSpark needs the target's hidden states; the target did not return them.")
+        states = model_outputs.hidden_states
+        features = torch.cat([states[i + 1][:, :n_new] for i in self.drafter.config.target_layer_ids], dim=-1)
+        self.drafter.extend_context(self.context, features.to(self.drafter.context_proj.weight.device))
+
+    def _prefix_length(self, block, gamma: int) -> int:
+        """ℓ in 0..γ by the call's verification policy (:mod:`dspark_hf.decoding.verification`)."""
+        sps = self.sps.at(self._verify_context)[: gamma + 1] if self.policy.needs_calibration else None
+        return self.policy.prefix_length(block.confidences, self.drafter.calibration, sps, gamma, self.threshold)
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        """Record the number of accepted drafts and the verify time of the round just verified; in the
+        scheduled modes the time also refines the SPS curve online (:meth:`~dspark_hf.SPSCurve.observe`)."""
+        if self.lookup is not None:  # score the round's lookup continuation (dspark_hf.lookup)
+            self.lookup.update(input_ids, num_matches)
+        if self._verify_start is not None and self.stats.rounds:
+            last = self.stats.rounds[-1]
+            last.accepted = int(num_matches)
+            last.verify_ms = 1e3 * (time.perf_counter() - self._verify_start)
+            self._verify_start = None
+            if self.policy.needs_calibration and self.sps.online:  # B = ℓ + 1 tokens verified at this context
+                self.sps.observe(last.scheduled + 1, self._verify_context, last.verify_ms / 1e3)

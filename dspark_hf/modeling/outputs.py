@@ -1,0 +1,57 @@
+"""What the drafter returns and keeps: its per-request context cache, a drafted block, the training outputs.
+
+Shape symbols: ``B`` requests or sequences, ``n`` context positions, ``A`` blocks per sequence, ``γ`` block size,
+``V`` target vocabulary, ``V'`` draft vocabulary, ``d`` hidden size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class DraftContext:
+    """The drafter's context K/V cache for one request: per layer ``[1, kv_heads, n, head_dim]``.
+
+    It only ever holds positions the target has ACCEPTED (the features of a round's accepted prefix
+    are appended after verification), so a rejection never leaves stale entries to crop.
+    """
+
+    def __init__(self, num_layers: int):
+        self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+        self.length = 0
+
+    def append(self, kv_per_layer: list[tuple[torch.Tensor, torch.Tensor]], n: int):
+        for i, (k, v) in enumerate(kv_per_layer):
+            old = self.layers[i]
+            self.layers[i] = (k, v) if old is None else (torch.cat([old[0], k], 2), torch.cat([old[1], v], 2))
+        self.length += n
+
+
+@dataclass
+class DraftBlock:
+    """One drafted block for one request (γ = ``tokens.numel()``).
+
+    Attributes:
+        tokens: ``[γ]`` target-vocabulary ids, sampled left to right from ``logits``.
+        logits: ``[γ, V]`` full-vocabulary draft logits after the logits processors (``-inf`` outside
+            the draft vocabulary); sampling drew each token from ``softmax(logits[k])``. ``None`` for
+            greedy drafting without logits processors (the argmax is taken in the draft vocabulary).
+        confidences: ``[γ]`` raw conditional survival probabilities c_k (eq. 7), or ``None``.
+    """
+
+    tokens: torch.Tensor
+    logits: torch.Tensor
+    confidences: torch.Tensor | None
+
+
+
+
+@dataclass
+class DraftOutput:
+    """Training outputs: ``logits`` ``[..., γ, V']`` (U + B), ``confidence_logits`` ``[..., γ]``, ``hidden``."""
+
+    logits: torch.Tensor
+    confidence_logits: torch.Tensor | None
+    hidden: torch.Tensor
