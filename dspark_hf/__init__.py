@@ -19,11 +19,10 @@ from .decoding.profiling import NoisySPSWarning, SPSCurve, load_or_profile_sps, 
 from .decoding.routing import install, uninstall
 from .decoding.stats import GenerationStats
 from .decoding.targets import load_default_target, load_target
+from .defaults import __version__ as __version__
 from .defaults import check_local_path
 from .modeling.configuration_dspark import DSparkConfig
 from .modeling.modeling_dspark import EXTENSIONS, DSparkDrafter
-
-__version__ = "0.1.0"
 
 
 def _import_checkpoint(path, config_dict, hub_kwargs):

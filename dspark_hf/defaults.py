@@ -16,6 +16,7 @@ from pathlib import Path
 
 from huggingface_hub.constants import HF_HOME
 
+__version__ = "0.1.0"  # also in pyproject.toml
 PACKAGE_ROOT = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_ROOT.parent  # the source checkout (holds model_cards/, configs/, docs/); in a wheel: site-packages
 DEFAULT_DRAFTER_NAME = "dspark-smollm2-135m-instruct"  # the shipped drafter (model_cards/<name>/)

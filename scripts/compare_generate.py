@@ -33,7 +33,7 @@ def held_out_prompts(n: int) -> list[tuple[str, str]]:
 
 def compare(prompt: str, mode: str, max_new_tokens: int, drafter: str | None, device: str = "cpu") -> dict:
     """One ``dspark generate --compare --json`` run (greedy), by this interpreter."""
-    command = [sys.executable, "-m", "dspark_hf.cli.main", "generate", prompt, "--compare", "--json", "--verify", mode,
+    command = [sys.executable, "-m", "dspark_hf.cli", "generate", prompt, "--compare", "--json", "--verify", mode,
                "--max-new-tokens", str(max_new_tokens), "--device", device] + (["--drafter", drafter] if drafter else [])
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])

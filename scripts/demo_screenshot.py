@@ -15,7 +15,7 @@ import socket
 import torch
 from playwright.sync_api import sync_playwright
 
-from dspark_hf.cli.main import DEFAULT_DRAFTER
+from dspark_hf.defaults import default_drafter
 from dspark_hf.demo.app import launch
 
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"]
@@ -33,7 +33,7 @@ def main(argv=None):
     parser.add_argument("--mode", default="async")
     parser.add_argument("--gamma", default="7")
     parser.add_argument("--max-new-tokens", default="64")
-    parser.add_argument("--drafter", default=str(DEFAULT_DRAFTER))
+    parser.add_argument("--drafter", default=str(default_drafter()))
     parser.add_argument("--browser", default="/usr/bin/chromium")
     parser.add_argument("--out", default="docs/demo.png")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (as the dspark commands)")

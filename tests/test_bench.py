@@ -10,14 +10,14 @@ import math
 
 import pytest
 import torch
+from conftest import CPU_MS, tiny_llama, tiny_sps_curve
 
 import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
-from conftest import CPU_MS, tiny_llama, tiny_sps_curve
 from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling
 from dspark_hf.bench import runner as bench
-from dspark_hf.training.data import is_math_problem, prompt_category
+from dspark_hf.cli import bench as bench_cli
 from dspark_hf.decoding.stats import GenerationStats, RoundStats
-
+from dspark_hf.training.data import is_math_problem
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -132,12 +132,12 @@ def test_threshold_mode_is_timed_only_for_a_positive_best_threshold():
 
 @pytest.mark.parametrize("argv, expected", [
     ([], (4, 96, False)),  # the full run
-    (["--limit", "3"], (3, bench.QUICK_MAX_NEW_TOKENS, True)),  # a quick run
+    (["--limit", "3"], (3, bench_cli.QUICK_MAX_NEW_TOKENS, True)),  # a quick run
     (["--limit", "3", "--max-new-tokens", "96"], (3, 96, False)),
     (["--max-new-tokens", "64"], (4, 64, False)),
 ])
 def test_quick_run_settings(argv, expected):
-    settings, notes = bench.settings_from_args(_bench_args(argv))
+    settings, notes = bench_cli.settings_from_args(_bench_args(argv))
     assert (settings.limit, settings.max_new_tokens, bool(notes)) == expected
 
 
@@ -145,15 +145,15 @@ def _bench_args(argv):
     import argparse
 
     parser = argparse.ArgumentParser()
-    bench.add_cli(parser.add_subparsers(), lambda name, fn, help, kernels, compute: parser)
-    return parser.parse_args(argv)
+    bench_cli.add_parser(parser.add_subparsers())
+    return parser.parse_args(["bench", *argv])
 
 
 @pytest.mark.parametrize("argv, flag", [(["--limit", "0"], "--limit"), (["--max-new-tokens", "1"], "--max-new-tokens"),
                                         (["--gamma", "0"], "--gamma")])
 def test_bad_settings_name_the_flag(argv, flag):
     with pytest.raises(ValueError, match=f"\\({flag}\\) must be >= "):
-        bench.settings_from_args(_bench_args(argv))
+        bench_cli.settings_from_args(_bench_args(argv))
 
 
 def test_pooled_tau_weights_prompts_by_rounds():

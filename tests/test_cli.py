@@ -5,9 +5,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from dspark_hf.bench import runner as bench
+
+from dspark_hf.cli import bench, calibrate, common, generate, profile
+from dspark_hf.cli import demo as demo_cli
 from dspark_hf.cli import main as cli
-from dspark_hf.demo import app as demo
+from dspark_hf.defaults import default_drafter
 
 
 @pytest.fixture
@@ -18,8 +20,8 @@ def restore_threads():
 
 
 @pytest.mark.parametrize(("module", "name", "command"), [
-    (cli, "cmd_generate", ["generate", "hi"]), (cli, "cmd_profile", ["profile"]),
-    (bench, "cmd_bench", ["bench"]), (demo, "cmd_demo", ["demo"]), (cli, "cmd_calibrate", ["calibrate"]),
+    (generate, "run", ["generate", "hi"]), (profile, "run", ["profile"]),
+    (bench, "run", ["bench"]), (demo_cli, "run", ["demo"]), (calibrate, "run", ["calibrate"]),
 ])
 def test_threads_option_sets_torch_threads(module, name, command, monkeypatch, restore_threads):
     seen = []
@@ -27,11 +29,11 @@ def test_threads_option_sets_torch_threads(module, name, command, monkeypatch, r
     torch.set_num_threads(2)
     cli.main([*command, "--threads", "1"])
     cli.main(command)  # the default is one thread, not one per core
-    assert seen == [(1, 1), (cli.DEFAULT_THREADS, cli.DEFAULT_THREADS)] and cli.DEFAULT_THREADS == 1
+    assert seen == [(1, 1), (common.DEFAULT_THREADS, common.DEFAULT_THREADS)] and common.DEFAULT_THREADS == 1
 
 
 def test_threads_must_be_positive(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "cmd_profile", lambda args: pytest.fail("must not run"))
+    monkeypatch.setattr(profile, "run", lambda args: pytest.fail("must not run"))
     with pytest.raises(SystemExit):
         cli.main(["profile", "--threads", "0"])
     assert "--threads must be >= 1" in capsys.readouterr().err
@@ -85,17 +87,17 @@ def fake_target(positions: int):
 
 
 def test_prompt_longer_than_the_target_is_refused(monkeypatch):
-    monkeypatch.setattr(cli, "_load", lambda args: (fake_target(8192), None, None))
+    monkeypatch.setattr(generate, "load_models", lambda args: (fake_target(8192), None, None))
     monkeypatch.setattr("dspark_hf.training.data.chat_ids", lambda tokenizer, prompt: list(range(8190)))
     monkeypatch.setattr("dspark_hf.evaluation.runs.timed_generate", lambda *a, **k: pytest.fail("generate ran"))
     with pytest.raises(SystemExit, match="8190 tokens.*128 more.*8192 positions.*at most 8064 tokens"):
         cli.main(["generate", "x" * 10, "--json"])
-    cli.check_prompt_fits(8064, 128, fake_target(8192))  # exactly fits: no exit
+    common.check_prompt_fits(8064, 128, fake_target(8192))  # exactly fits: no exit
 
 
 def test_gamma_beyond_the_calibration_is_a_clean_error():
     """The shipped drafter (async mode, calibration fitted at γ = 7) with --gamma 8: a message, no traceback."""
-    if not cli.DEFAULT_DRAFTER.is_dir():
+    if not default_drafter().is_dir():
         pytest.skip("the shipped drafter is not in this checkout")
     with pytest.raises(SystemExit, match="calibration covers 7 positions but dspark_block_size is 8"):
         cli.main(["generate", "hi", "--gamma", "8", "--max-new-tokens", "2", "--json"])

@@ -8,10 +8,10 @@ slip through to fail later inside SDPA or a oneDNN primitive).
 
 import pytest
 import torch
+from conftest import tiny_llama
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import tiny_llama
 from dspark_hf import DSparkConfig, DSparkDrafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")

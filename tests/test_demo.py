@@ -16,13 +16,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import CYCLE, CYCLE_VOCAB, cycle_drafter, cycle_target, tiny_sps_curve
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
-from conftest import CYCLE, CYCLE_VOCAB, cycle_drafter, cycle_target, tiny_sps_curve
 from dspark_hf import SequentialTemperatureScaling
-from dspark_hf.training.data import chat_ids
+from dspark_hf.decoding.stats import GenerationStats, RoundStats
 from dspark_hf.demo.app import (
     BONUS,
     CORRECTION,
@@ -40,7 +40,7 @@ from dspark_hf.demo.app import (
     stats_html,
     stream_generation,
 )
-from dspark_hf.decoding.stats import GenerationStats, RoundStats
+from dspark_hf.training.data import chat_ids
 
 CHROMIUM = os.environ.get("DSPARK_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
@@ -232,12 +232,12 @@ def test_unavailable_scheduler_is_explained(tiny):
 
 
 def test_cli_registers_demo(monkeypatch):
+    from dspark_hf.cli import demo
     from dspark_hf.cli import main as cli
-    from dspark_hf.demo import app as demo
 
     seen = {}
-    monkeypatch.setattr(demo, "cmd_demo", lambda args: seen.update(vars(args)))
-    # add_cli looks cmd_demo up when main() builds the parser
+    monkeypatch.setattr(demo, "run", lambda args: seen.update(vars(args)))
+    # add_parser looks run up when main() builds the parser
     cli.main(["demo", "--port", "7999", "--share", "false", "--drafter", "x"])
     assert seen["port"] == 7999 and seen["share"] is False and seen["drafter"] == "x"
 

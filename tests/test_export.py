@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_llama
+
 from dspark_hf import DSparkConfig, DSparkDrafter
 from dspark_hf.hub.export import OUTSIDE_LOGIT, VOCAB_RANK_KEY, checkpoint_format, export_drafter, import_drafter
 

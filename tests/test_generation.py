@@ -15,6 +15,7 @@ import random
 
 import pytest
 import torch
+from conftest import CYCLE, CYCLE_VOCAB, LLAMA_DEFAULT_TOKENS, cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
@@ -25,11 +26,10 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 from transformers.generation.streamers import BaseStreamer
 
 import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
-from conftest import CYCLE, CYCLE_VOCAB, LLAMA_DEFAULT_TOKENS, cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
 from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling, prepack_linears
-from dspark_hf.modeling.configuration_dspark import MAX_BLOCK_SIZE
 from dspark_hf.decoding.lookup import LookupDrafting, RoundPlan, find_continuation
 from dspark_hf.decoding.scheduler import schedule_global, schedule_prefix, threshold_prefix
+from dspark_hf.modeling.configuration_dspark import MAX_BLOCK_SIZE
 
 HEADS = ("none", "markov", "rnn")
 MODES = ("fixed", "threshold", "scheduler", "async")

@@ -21,17 +21,17 @@ import httpx2
 import huggingface_hub
 import pytest
 import torch
+from conftest import tiny_llama
 from huggingface_hub import ModelCard, scan_cache_dir
 from huggingface_hub.utils import _http
 from huggingface_hub.utils.sha import git_hash
 from transformers import LlamaForCausalLM
 
 import dspark_hf
-from conftest import tiny_llama
 from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling
-from dspark_hf.hub import card as hub
 from dspark_hf.cli.main import main as cli_main
 from dspark_hf.decoding.targets import DEFAULT_TARGET_NAME
+from dspark_hf.hub import card as hub
 
 REPO_ID = "org/dspark-tiny"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -126,10 +126,12 @@ def weights(model) -> dict:
 def test_card_folder_is_the_hub_repo(saved):
     card = saved / "card"
     files = {p.relative_to(card).as_posix() for p in card.rglob("*") if p.is_file()}
-    assert {"README.md", "config.json", "model.safetensors", "calibration.json", "training.json", "config.py",
-            "model.py", "custom_generate/generate.py", "custom_generate/requirements.txt"} <= files
+    assert {"README.md", "config.json", "model.safetensors", "calibration.json", "training.json",
+            "configuration_dspark.py", "modeling_dspark.py", "heads.py", "custom_generate/generate.py",
+            "custom_generate/requirements.txt"} <= files
+    assert not {"kernels.py", "calibration.py"} & files  # the remote code is modeling/ only (torch + transformers)
     auto_map = json.loads((card / "config.json").read_text())["auto_map"]
-    assert auto_map == {"AutoConfig": "config.DSparkConfig", "AutoModel": "model.DSparkDrafter"}
+    assert auto_map == {"AutoConfig": "configuration_dspark.DSparkConfig", "AutoModel": "modeling_dspark.DSparkDrafter"}
     assert hub.card_repo_id(card) == REPO_ID
     assert (card / "custom_generate/requirements.txt").read_text().startswith(f"dspark-hf>={dspark_hf.__version__}")
     hub.check_card_folder(card, REPO_ID)
@@ -345,7 +347,7 @@ def test_push_uploads_the_folder(saved, monkeypatch, fake_api):
 
 def test_push_refuses_a_card_written_for_another_repo(saved, monkeypatch, fake_api):
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: pytest.fail("checked the token before the folder"))
-    with pytest.raises(ValueError, match=f"dspark card .* --repo-id org/other"):
+    with pytest.raises(ValueError, match="dspark card .* --repo-id org/other"):
         hub.push(saved / "card", "org/other")
     assert fake_api == []
 

@@ -8,7 +8,14 @@ import torch.nn.functional as F
 from conftest import tiny_llama, tiny_sps_curve
 
 from dspark_hf import DSparkConfig, DSparkDrafter
-from dspark_hf.decoding.kernels import PACKED_ATTR, PackedWeight, can_prepack, is_prepacked, linear_kernels, prepack_linears
+from dspark_hf.decoding.kernels import (
+    PACKED_ATTR,
+    PackedWeight,
+    can_prepack,
+    is_prepacked,
+    linear_kernels,
+    prepack_linears,
+)
 from dspark_hf.decoding.profiling import sps_cache_path
 
 pytestmark = pytest.mark.usefixtures("one_thread")

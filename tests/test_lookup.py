@@ -4,11 +4,18 @@
 
 import pytest
 import torch
-
 from conftest import CYCLE, cycle_drafter, cycle_target
+
 from dspark_hf import SequentialTemperatureScaling
-from dspark_hf.decoding.lookup import (LookupAcceptance, LookupDrafting, LookupMatch, find_continuation, lookup_enabled,
-                              one_hot_logits, plan_round)
+from dspark_hf.decoding.lookup import (
+    LookupAcceptance,
+    LookupDrafting,
+    LookupMatch,
+    find_continuation,
+    lookup_enabled,
+    one_hot_logits,
+    plan_round,
+)
 from dspark_hf.decoding.scheduler import expected_throughputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")

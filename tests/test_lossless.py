@@ -15,12 +15,7 @@ import re
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models
-from transformers import PreTrainedTokenizerFast, StoppingCriteria, StoppingCriteriaList, pipeline
-
-import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
 from conftest import CYCLE_VOCAB, cycle_target, tiny_llama
-from dspark_hf import DSparkConfig, DSparkDrafter, prepack_linears
 from test_generation import (
     SV,
     CollectingStreamer,
@@ -31,6 +26,11 @@ from test_generation import (
     ready_cycle_drafter,
     sampling_drafter,
 )
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast, StoppingCriteria, StoppingCriteriaList, pipeline
+
+import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
+from dspark_hf import DSparkConfig, DSparkDrafter, prepack_linears
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MAX_NEW = 12

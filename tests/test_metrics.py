@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import CYCLE_VOCAB, cycle_drafter, cycle_target
+from test_calibration import synthetic_rounds
+
 from dspark_hf import SequentialTemperatureScaling
 from dspark_hf.bench import runner as bench
 from dspark_hf.metrics import brier_score, expected_calibration_error, prefix_survival_metrics, roc_auc
-from test_calibration import synthetic_rounds
 
 METRICS = Path(__file__).resolve().parent.parent / "metrics"
 GAMMA = 4

@@ -9,11 +9,11 @@ import warnings
 
 import pytest
 import torch
+from conftest import tiny_llama
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModel
 
 import dspark_hf  # noqa: F401  (registers "dspark" with the Auto classes)
-from conftest import tiny_llama
 from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling
 from dspark_hf.decoding.calibration import CALIBRATION_FILE
 from dspark_hf.modeling.heads import MarkovHead, RNNHead

@@ -5,13 +5,21 @@ import math
 
 import pytest
 import torch
+from conftest import CYCLE_VOCAB, LLAMA_DEFAULT_TOKENS, cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
 from transformers import DynamicCache
 
-from conftest import CYCLE_VOCAB, LLAMA_DEFAULT_TOKENS, cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
 from dspark_hf import SequentialTemperatureScaling
 from dspark_hf.decoding import profiling
-from dspark_hf.decoding.profiling import (NoisySPSWarning, SPSCurve, load_or_profile_sps, plot_sps, profile_sps, save_sps,
-                                 sps_cache_path, time_verify_step)
+from dspark_hf.decoding.profiling import (
+    NoisySPSWarning,
+    SPSCurve,
+    load_or_profile_sps,
+    plot_sps,
+    profile_sps,
+    save_sps,
+    sps_cache_path,
+    time_verify_step,
+)
 
 KW = dict(max_tokens=4, context_len=8, contexts=(), min_repeats=2, max_repeats=2, progress=False)
 
@@ -293,9 +301,10 @@ def test_engine_tables():
 
 def test_cli_profile_writes_the_engine_table(tmp_path, monkeypatch):
     from dspark_hf.cli import main as cli
+    from dspark_hf.cli import profile
 
     curve = tiny_sps_curve([20.0, 25.0])
-    monkeypatch.setattr(cli, "load_cli_target", lambda args: (None, None))
+    monkeypatch.setattr(profile, "load_cli_target", lambda args: (None, None))
     monkeypatch.setattr(profiling, "load_or_profile_sps", lambda target, **kw: curve)
     cli.main(["profile", "--engine-table", "sglang", "--out", str(tmp_path / "sps.json")])
     assert json.loads((tmp_path / "sps.json").read_text()) == curve.engine_table("sglang")

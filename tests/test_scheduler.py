@@ -5,7 +5,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dspark_hf.decoding.scheduler import prefix_survival, schedule_batch, schedule_global, schedule_prefix, threshold_prefix
+from dspark_hf.decoding.scheduler import (
+    prefix_survival,
+    schedule_batch,
+    schedule_global,
+    schedule_prefix,
+    threshold_prefix,
+)
 
 # Worked example for R = 2: SPS(1..8); SPS(1) is never read because B starts at R = 2.
 WORKED_SPS = [1.0, 1.0, 0.95, 0.9, 0.85, 0.5, 0.45, 0.4]

@@ -12,9 +12,9 @@ import torch
 
 from dspark_hf import DSparkConfig, DSparkDrafter
 from dspark_hf.decoding import targets as target_mod
-from dspark_hf.training.data import chat_ids
 from dspark_hf.decoding.kernels import is_prepacked
 from dspark_hf.decoding.targets import check_local_path
+from dspark_hf.training.data import chat_ids
 
 
 def test_missing_package_names_install_command(monkeypatch):
@@ -137,7 +137,7 @@ def test_v1_checkpoints_draft_exactly_as_before(default_target, folder):
 
 def test_cli_generate_compare_json():
     result = subprocess.run(
-        [sys.executable, "-m", "dspark_hf.cli.main", "generate", "Name three colors.", "--compare", "--json",
+        [sys.executable, "-m", "dspark_hf.cli", "generate", "Name three colors.", "--compare", "--json",
          "--max-new-tokens", "16", "--lookup"],
         capture_output=True, text=True, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )

@@ -6,14 +6,15 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 from dataclasses import asdict
+from pathlib import Path
 from types import SimpleNamespace
 
 import datasets
 import pytest
 import torch
 import yaml
+from conftest import tiny_llama
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
@@ -21,15 +22,22 @@ from transformers import PreTrainedTokenizerFast
 from transformers.utils.hub import convert_file_size_to_int
 
 import dspark_hf
-from conftest import tiny_llama
 from dspark_hf import DSparkConfig, DSparkDrafter
 from dspark_hf.cli.main import main as cli_main
 from dspark_hf.modeling.configuration_dspark import spread_layer_ids
 from dspark_hf.training import trainer as training
 from dspark_hf.training.data import export_tokens, load_shards, prepare_data
 from dspark_hf.training.trainer import (
-    FeatureBatcher, TrainConfig, dspark_loss, expected_tau, greedy_survival, init_layers_from_target,
-    position_weights, reserved_mask_token, train, tv_distance,
+    FeatureBatcher,
+    TrainConfig,
+    dspark_loss,
+    expected_tau,
+    greedy_survival,
+    init_layers_from_target,
+    position_weights,
+    reserved_mask_token,
+    train,
+    tv_distance,
 )
 
 
@@ -240,7 +248,7 @@ def _free_port() -> int:
 
 
 def test_two_processes_train_like_one(tmp_path):
-    """`accelerate launch -m dspark_hf.cli.main train` with 2 CPU processes (gloo), each packing half of every global
+    """`accelerate launch -m dspark_hf.cli train` with 2 CPU processes (gloo), each packing half of every global
     batch, takes the same optimizer steps as one `dspark train` on the whole batch (which also resumes here).
 
     Responses end at a random EOS, so the two halves of a batch hold different numbers of positions.
@@ -269,7 +277,7 @@ def test_two_processes_train_like_one(tmp_path):
     # `--multi_gpu` is accelerate's flag for its torchrun launcher; without a GPU it runs CPU processes over gloo
     package_root = str(Path(dspark_hf.__file__).parent.parent)  # the processes import the dspark_hf under test
     run = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                          "--main_process_port", str(_free_port()), "-m", "dspark_hf.cli.main",
+                          "--main_process_port", str(_free_port()), "-m", "dspark_hf.cli",
                           *config("two", out_dir=str(tmp_path / "two"), steps=4, save_every=100)],
                          capture_output=True, text=True,
                          env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": package_root})

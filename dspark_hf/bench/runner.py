@@ -42,8 +42,6 @@ import json
 import math
 import os
 import platform
-import re
-import shlex
 import statistics
 import sys
 import time
@@ -54,11 +52,9 @@ from pathlib import Path
 
 import torch
 
+from ..defaults import resolve_checkout_path
 from ..metrics import conditional_acceptance, tau
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DRAFTERS = ("dspark=model_cards/dspark-smollm2-135m-instruct,dspark-rnn=ablations/dspark-rnn-smollm2-135m-instruct,"
-                    "dflash=ablations/dflash-smollm2-135m-instruct")
 SUITES = ("code", "chat", "math")
 DEFAULT_THRESHOLDS = tuple(round(0.1 * i, 1) for i in range(10))  # 0, 0.1, ..., 0.9 (paper Fig. 5)
 SCHEMA_VERSION = 1
@@ -301,16 +297,25 @@ class BuiltinDFlashAdapter(torch.nn.Module):
 # ------------------------------------------------------------------------------------------ runner
 @dataclass
 class BenchSettings:
-    """What one bench run does (CLI flags of the same names)."""
+    """What one bench run does: ``dspark bench`` flags of the same names (``HfArgumentParser``, see
+    :mod:`dspark_hf.cli.bench`)."""
 
-    gamma: int = 7  # drafts per round γ, paper Table 1
-    max_new_tokens: int = 96  # per generation
-    limit: int = 4  # prompts per suite: the default run (3 suites, 3 drafters) takes ~12 min on 2 CPU cores
-    max_prompt_tokens: int = 320  # longer chat-formatted prompts are skipped (the training data used <= 320)
-    thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS  # static threshold sweep (paper Fig. 5)
-    sampling_temperature: float = 1.0  # the T = 1 protocol of paper §4.1
-    prompt_lookup_num_tokens: int = 7  # prompt-lookup baseline (transformers' PromptLookupCandidateGenerator)
-    warmup_tokens: int = 8  # one untimed generation per method before pass 2
+    gamma: int = field(default=7, metadata={"help": "drafts per round γ (default: 7, as paper Table 1)"})
+    max_new_tokens: int = field(default=96, metadata={"help": "new tokens per generation (default: 96; 32 with --limit)"})
+    limit: int = field(default=4, metadata={  # the default run (3 suites, 3 drafters) takes ~12 min on 2 CPU cores
+        "help": "prompts per suite; giving it makes a quick run at 32 new tokens unless --max-new-tokens is given "
+                "too (default: the full run, 4 prompts per suite at 96 tokens)"})
+    max_prompt_tokens: int = field(default=320, metadata={  # the training data used <= 320
+        "help": "skip longer chat-formatted prompts (default: 320)"})
+    thresholds: list[float] = field(default_factory=lambda: list(DEFAULT_THRESHOLDS), metadata={
+        "help": "static thresholds of the sweep (paper Fig. 5; default 0, 0.1, ..., 0.9)"})
+    sampling_temperature: float = field(default=1.0, metadata={"help": "temperature of the sampled τ pass (the T = 1 "
+                                                                       "protocol of paper §4.1)"})
+    prompt_lookup_num_tokens: int = field(default=7, metadata={
+        "aliases": ["--prompt-lookup"],  # transformers' PromptLookupCandidateGenerator baseline
+        "help": "prompt_lookup_num_tokens of the prompt-lookup baseline (default: 7)"})
+    warmup_tokens: int = field(default=8, metadata={"help": "one untimed generation of this length per method before "
+                                                            "pass 2 (default 8)"})
 
     def __post_init__(self):
         for name, value, least in (("gamma", self.gamma, 1), ("max_new_tokens", self.max_new_tokens, 2),
@@ -646,9 +651,9 @@ def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps
     Returns:
         ``(result, raw)``: the JSON-ready result and the raw records the plots need.
     """
-    from ..training import data
     from ..decoding.kernels import linear_kernels
     from ..decoding.profiling import load_or_profile_sps
+    from ..training import data
 
     notes = list(notes or [])
     start = time.perf_counter()
@@ -776,9 +781,7 @@ def load_drafters(spec: dict[str, str], target, gamma: int, log=_log_default) ->
 
     drafters, notes = {}, []
     for name, path in spec.items():
-        folder = Path(path)
-        if not folder.is_dir() and not folder.is_absolute() and (REPO_ROOT / folder).is_dir():
-            folder = REPO_ROOT / folder
+        folder = resolve_checkout_path(path)
         if not folder.is_dir():
             note = f"drafter {name!r}: no folder at {path}; skipped."
             log(f"note: {note}")
@@ -1035,95 +1038,3 @@ def _json_safe(value):
     if isinstance(value, (list, tuple)):
         return [_json_safe(v) for v in value]
     return value
-
-
-# ------------------------------------------------------------------------------------------ CLI
-QUICK_MAX_NEW_TOKENS = 32  # new tokens per generation of a quick run (``--limit`` without ``--max-new-tokens``)
-
-
-def settings_from_args(args) -> tuple[BenchSettings, list[str]]:
-    """:class:`BenchSettings` of ``dspark bench`` flags, and the notes they call for.
-
-    ``--limit N`` asks for a quick run: unless ``--max-new-tokens`` is given too, each generation stops at
-    :data:`QUICK_MAX_NEW_TOKENS` new tokens (``--limit 3`` then takes ~4 min on 2 CPU cores instead of ~8).
-
-    Raises:
-        ValueError: from :class:`BenchSettings` for a non-positive γ, limit or token budget.
-    """
-    quick = args.limit is not None and args.max_new_tokens is None
-    max_new_tokens = args.max_new_tokens
-    if max_new_tokens is None:
-        max_new_tokens = QUICK_MAX_NEW_TOKENS if quick else BenchSettings.max_new_tokens
-    settings = BenchSettings(gamma=args.gamma, max_new_tokens=max_new_tokens,
-                             limit=BenchSettings.limit if args.limit is None else args.limit,
-                             max_prompt_tokens=args.max_prompt_tokens, prompt_lookup_num_tokens=args.prompt_lookup)
-    notes = [f"Quick run (--limit): {max_new_tokens} new tokens per generation; add --max-new-tokens "
-             f"{BenchSettings.max_new_tokens} for the full-length protocol."] if quick else []
-    return settings, notes
-
-
-def cmd_bench(args):
-    from ..cli.main import load_cli_target
-
-    started = time.perf_counter()
-    try:
-        settings, notes = settings_from_args(args)
-        spec = parse_drafters(args.drafters)
-    except ValueError as err:  # before the target loads: a typo costs nothing
-        sys.exit(f"dspark bench: {err}")
-    names = args.suites.split(",") if args.suites else (["custom"] if args.prompts else list(SUITES))
-    if args.prompts and "custom" not in names:
-        names.append("custom")
-    target, tokenizer = load_cli_target(args)
-    drafters, loading_notes = load_drafters(spec, target, settings.gamma)
-    notes += loading_notes
-    if not drafters:
-        sys.exit("No drafter found; pass --drafters name=PATH,... (see `dspark bench --help`).")
-    suites, skipped = encode_suites(tokenizer, suite_texts(names, args.prompts), settings.limit, settings.max_prompt_tokens)
-    for name, n in skipped.items():
-        if n:
-            notes.append(f"suite {name!r}: {n} prompts longer than {settings.max_prompt_tokens} tokens skipped.")
-        if len(suites[name]) < settings.limit:
-            notes.append(f"suite {name!r} has only {len(suites[name])} prompts (limit {settings.limit}).")
-    empty = [n for n, p in suites.items() if not p]
-    if empty:
-        sys.exit(f"Suites without prompts: {empty}")
-    result, raw = run_bench(target, drafters, suites, settings, notes=notes, builtin_dflash=not args.no_builtin_dflash,
-                            command=shlex.join(["dspark", *sys.argv[1:]]))
-    result["runtime_s"] = time.perf_counter() - started  # loading included
-    if args.out:
-        path = write_report(result, raw, args.out, drafters)
-        print(f"wrote {path}, {Path(args.out) / 'benchmarks.md'} and {len(result['plots'])} plots", file=sys.stderr)
-    if args.json:
-        print(json.dumps(result, indent=2, allow_nan=False))
-    elif not args.out:
-        print(markdown_report(result))
-
-
-def add_cli(sub, command):
-    """Register ``dspark bench`` (see cli.main)."""
-    p = command("bench", cmd_bench, "τ, acceptance, confidence and wall-clock benchmarks (JSON, Markdown, PNG)",
-                kernels=True, compute=True)
-    p.add_argument("--drafters", default=DEFAULT_DRAFTERS,
-                   help="name=PATH,... (missing folders are skipped with a note); names 'dspark' and 'dflash' "
-                        f"give tau_ratio_dspark_over_dflash (default: {DEFAULT_DRAFTERS})")
-    p.add_argument("--suites", default=None, help=f"comma-separated subset of {','.join(SUITES)},custom "
-                                                  "(default: all three, or only custom with --prompts)")
-    p.add_argument("--prompts", default=None, help="JSONL file, one {\"prompt\": ...} per line: the 'custom' suite")
-    p.add_argument("--limit", type=int, default=None,
-                   help=f"prompts per suite; giving it makes a quick run at {QUICK_MAX_NEW_TOKENS} new tokens unless "
-                        f"--max-new-tokens is given too (default: the full run, {BenchSettings.limit} prompts per suite "
-                        f"at {BenchSettings.max_new_tokens} tokens)")
-    p.add_argument("--max-new-tokens", type=int, default=None,
-                   help=f"new tokens per generation (default: {BenchSettings.max_new_tokens}; "
-                        f"{QUICK_MAX_NEW_TOKENS} with --limit)")
-    p.add_argument("--max-prompt-tokens", type=int, default=BenchSettings.max_prompt_tokens,
-                   help=f"skip longer chat-formatted prompts (default: {BenchSettings.max_prompt_tokens})")
-    p.add_argument("--gamma", type=int, default=BenchSettings.gamma,
-                   help=f"drafts per round γ (default: {BenchSettings.gamma}, as paper Table 1)")
-    p.add_argument("--prompt-lookup", type=int, default=BenchSettings.prompt_lookup_num_tokens,
-                   help=f"prompt_lookup_num_tokens of the prompt-lookup baseline (default: {BenchSettings.prompt_lookup_num_tokens})")
-    p.add_argument("--no-builtin-dflash", action="store_true", help="skip the built-in speculation_type='dflash' path")
-    p.add_argument("--out", default=None, help="folder for benchmarks.json, benchmarks.md and the PNGs (e.g. docs)")
-    p.add_argument("--json", action="store_true", help="print the JSON to stdout")
-    return p

@@ -1,5 +1,2 @@
-"""The ``dspark`` command line: one thin module per command (``python -m dspark_hf.cli``)."""
-
-from .main import main
-
-__all__ = ["main"]
+"""The ``dspark`` command line: one thin module per command, assembled by :mod:`dspark_hf.cli.main`
+(``python -m dspark_hf.cli``)."""

@@ -30,10 +30,19 @@ from pathlib import Path
 
 import torch
 
+from ..metrics import (  # the maths lives in .metrics
+    _bin_sums,
+    _check_probs,
+    _check_rounds,
+    _ece_columns,
+    brier_score,
+    conditional_mask,
+    expected_calibration_error,
+    prefix_survival_metrics,
+    roc_auc,
+    survival_labels,
+)
 from ..modeling.modeling_dspark import CALIBRATION_FILE
-from ..metrics import _bin_sums, _check_probs, _check_rounds, _ece_columns  # the maths lives in .metrics
-from ..metrics import (brier_score, conditional_mask, expected_calibration_error, prefix_survival_metrics, roc_auc,
-                      survival_labels)
 
 __all__ = [
     "CALIBRATION_FILE",

@@ -32,7 +32,12 @@ from ..modeling.configuration_dspark import DSparkConfig
 from ..modeling.modeling_dspark import DSparkDrafter
 from .calibration import SequentialTemperatureScaling
 from .candidate_generator import DSparkCandidateGenerator
-from .settings import DSPARK_GENERATE_KWARGS, _reject_dspark_settings_without_drafter, _validate_dspark_call, call_block_size
+from .settings import (
+    DSPARK_GENERATE_KWARGS,
+    _reject_dspark_settings_without_drafter,
+    _validate_dspark_call,
+    call_block_size,
+)
 from .stopping import ROUND_EXACT_CRITERIA, PerTokenStopping, _cut_at_stop, _StoppingStreamer
 
 SUPPORTED_TRANSFORMERS = ">=5.24,<6"

@@ -11,7 +11,6 @@ from transformers.generation.utils import GenerationMode
 
 from ..modeling.configuration_dspark import MAX_BLOCK_SIZE, is_int
 
-
 DSPARK_GENERATE_KWARGS = ("dspark_block_size", "dspark_verification", "dspark_threshold", "dspark_lookup")
 
 

@@ -16,7 +16,6 @@ from transformers.generation.streamers import BaseStreamer
 
 from .stats import GenerationStats
 
-
 ROUND_EXACT_CRITERIA = (MaxLengthCriteria, EosTokenCriteria, MaxTimeCriteria)  # transformers trims a round at these
 
 

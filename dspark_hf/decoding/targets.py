@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 from ..defaults import DEFAULT_TARGET_NAME, cache_root, check_local_path, default_target_dir, default_target_gguf  # noqa: F401 (re-exported)
 from .kernels import can_prepack, prepack_linears
 
+
 def load_gguf_target(dtype: torch.dtype = torch.float32):
     """Load the default target straight from its GGUF (dequantized in memory, a few seconds slower)."""
     gguf = default_target_gguf()

@@ -30,7 +30,6 @@ from __future__ import annotations
 import html
 import os
 import queue
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,9 +38,9 @@ import torch
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+from ..metrics import tau
 from ..modeling.configuration_dspark import MAX_BLOCK_SIZE, SCHEDULED_MODES, VERIFICATION_MODES
 from ..training.data import chat_ids
-from ..metrics import tau
 
 # span kinds: text tokens, then the drafts that never made it into the text ("ghosts")
 DRAFT, LOOKUP, BONUS, CORRECTION, TARGET, PLAIN = "draft", "lookup", "bonus", "correction", "target", "plain"
@@ -755,26 +754,26 @@ def launch(target=None, tokenizer=None, drafter=None, *, port: int | None = None
         target: a model, a Hub id / folder, or ``None`` for the bundled default target
             (:func:`~dspark_hf.target.load_target`); ``tokenizer`` is required with a model.
         drafter: a :class:`~dspark_hf.DSparkDrafter`, a folder / Hub id, or ``None`` for the shipped
-            ``model_cards/dspark-smollm2-135m-instruct``.
+            one (:func:`~dspark_hf.defaults.default_drafter`).
         port: server port (default ``$GRADIO_SERVER_PORT``, else 7860).
         share: ask Gradio for a public share link (needs network).
         server_name: interface to bind (default ``$GRADIO_SERVER_NAME``, else 127.0.0.1).
         prevent_thread_lock: return at once, serving from a background thread (tests).
         app_kwargs: passed to :func:`build_app`.
     """
-    from ..modeling.modeling_dspark import DSparkDrafter
     from ..decoding.targets import load_target
+    from ..modeling.modeling_dspark import DSparkDrafter
 
     if target is None or isinstance(target, (str, os.PathLike)):
         target, tokenizer = load_target(target)
     elif tokenizer is None:
         raise ValueError("launch(target=<model>) needs its tokenizer too.")
     if drafter is None:
-        from ..cli.main import DEFAULT_DRAFTER
+        from ..defaults import default_drafter
 
-        if not DEFAULT_DRAFTER.is_dir():
-            raise FileNotFoundError(f"No drafter at {DEFAULT_DRAFTER}; pass drafter=<folder, Hub id or DSparkDrafter>.")
-        drafter = DEFAULT_DRAFTER
+        drafter = default_drafter()
+        if not drafter.is_dir():
+            raise FileNotFoundError(f"No drafter at {drafter}; pass drafter=<folder, Hub id or DSparkDrafter>.")
     if isinstance(drafter, (str, os.PathLike)):
         drafter = DSparkDrafter.from_pretrained(drafter)
     if port is None and os.environ.get("GRADIO_SERVER_PORT"):
@@ -784,36 +783,3 @@ def launch(target=None, tokenizer=None, drafter=None, *, port: int | None = None
     app.launch(server_name=server_name, server_port=port, share=share, prevent_thread_lock=prevent_thread_lock,
                show_error=True, footer_links=[])
     return app
-
-
-# ---------------------------------------------------------------------------------------- cli
-def boolean(text: str) -> bool:
-    """``true``/``false`` (also 1/0, yes/no, on/off) for ``--share``."""
-    value = str(text).strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected true or false, got {text!r}")
-
-
-def cmd_demo(args):
-    """``dspark demo``: load the target and drafter, then serve the app."""
-    try:
-        import gradio  # noqa: F401
-    except ModuleNotFoundError:
-        sys.exit("The demo needs Gradio: pip install 'dspark-hf[demo]'")
-    from ..cli.main import _load
-
-    target, tokenizer, drafter = _load(args)
-    launch(target, tokenizer, drafter, port=args.port, share=args.share, server_name=args.host)
-
-
-def add_cli(sub, command):
-    """Register this module's `dspark` subcommands (see cli.main)."""
-    p = command("demo", cmd_demo, "serve the Gradio demo: live token colouring, stats, side-by-side", drafter=True,
-                compute=True)
-    p.add_argument("--port", type=int, default=None, help="port (default: $GRADIO_SERVER_PORT, else 7860)")
-    p.add_argument("--share", type=boolean, nargs="?", const=True, default=False, metavar="{true,false}",
-                   help="create a public Gradio share link (needs network; default false)")
-    p.add_argument("--host", default=None, help="interface to bind (default: $GRADIO_SERVER_NAME, else 127.0.0.1)")

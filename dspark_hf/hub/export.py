@@ -29,7 +29,6 @@ Only v2 drafters export: the engines have no learned mask vector and apply QK-no
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch

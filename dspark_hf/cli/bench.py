@@ -1,0 +1,105 @@
+"""``dspark bench``: τ, position-wise acceptance, calibration, threshold sweep and wall-clock speedup against peers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+
+from transformers import HfArgumentParser
+
+from ..bench.runner import (
+    SUITES,
+    BenchSettings,
+    encode_suites,
+    load_drafters,
+    markdown_report,
+    parse_drafters,
+    run_bench,
+    suite_texts,
+    write_report,
+)
+from ..defaults import DEFAULT_BENCH_DRAFTERS
+from .common import add_command, load_cli_target
+
+QUICK_MAX_NEW_TOKENS = 32  # new tokens per generation of a quick run (``--limit`` without ``--max-new-tokens``)
+
+
+def settings_from_args(args) -> tuple[BenchSettings, list[str]]:
+    """:class:`BenchSettings` of ``dspark bench`` flags, and the notes they call for.
+
+    ``--limit N`` asks for a quick run: unless ``--max-new-tokens`` is given too, each generation stops at
+    :data:`QUICK_MAX_NEW_TOKENS` new tokens (``--limit 3`` then takes ~4 min on 2 CPU cores instead of ~8).
+
+    Raises:
+        ValueError: from :class:`BenchSettings` for a non-positive γ, limit or token budget.
+    """
+    given = {f.name: getattr(args, f.name) for f in fields(BenchSettings) if hasattr(args, f.name)}  # flags given
+    quick = "limit" in given and "max_new_tokens" not in given
+    if quick:
+        given["max_new_tokens"] = QUICK_MAX_NEW_TOKENS
+    settings = BenchSettings(**given)
+    full = BenchSettings.__dataclass_fields__["max_new_tokens"].default
+    notes = [f"Quick run (--limit): {settings.max_new_tokens} new tokens per generation; add --max-new-tokens "
+             f"{full} for the full-length protocol."] if quick else []
+    return settings, notes
+
+
+def run(args):
+    started = time.perf_counter()
+    try:
+        settings, notes = settings_from_args(args)
+        spec = parse_drafters(args.drafters)
+    except ValueError as err:  # before the target loads: a typo costs nothing
+        sys.exit(f"dspark bench: {err}")
+    names = args.suites.split(",") if args.suites else (["custom"] if args.prompts else list(SUITES))
+    if args.prompts and "custom" not in names:
+        names.append("custom")
+    target, tokenizer = load_cli_target(args)
+    drafters, loading_notes = load_drafters(spec, target, settings.gamma)
+    notes += loading_notes
+    if not drafters:
+        sys.exit("No drafter found; pass --drafters name=PATH,... (see `dspark bench --help`).")
+    suites, skipped = encode_suites(tokenizer, suite_texts(names, args.prompts), settings.limit, settings.max_prompt_tokens)
+    for name, n in skipped.items():
+        if n:
+            notes.append(f"suite {name!r}: {n} prompts longer than {settings.max_prompt_tokens} tokens skipped.")
+        if len(suites[name]) < settings.limit:
+            notes.append(f"suite {name!r} has only {len(suites[name])} prompts (limit {settings.limit}).")
+    empty = [n for n, p in suites.items() if not p]
+    if empty:
+        sys.exit(f"Suites without prompts: {empty}")
+    result, raw = run_bench(target, drafters, suites, settings, notes=notes, builtin_dflash=not args.no_builtin_dflash,
+                            command=shlex.join(["dspark", *sys.argv[1:]]))
+    result["runtime_s"] = time.perf_counter() - started  # loading included
+    if args.out:
+        path = write_report(result, raw, args.out, drafters)
+        print(f"wrote {path}, {Path(args.out) / 'benchmarks.md'} and {len(result['plots'])} plots", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result, indent=2, allow_nan=False))
+    elif not args.out:
+        print(markdown_report(result))
+
+
+def add_parser(sub):
+    """``dspark bench``: :class:`~dspark_hf.bench.runner.BenchSettings` fields as flags (``HfArgumentParser``), plus
+    what to run on and where to write; a settings flag that is not given leaves the dataclass default."""
+    settings = HfArgumentParser(BenchSettings, add_help=False)
+    for action in settings._actions:
+        action.default = argparse.SUPPRESS  # absent unless given: --limit alone means a quick run
+    p = add_command(sub, "bench", run, "τ, acceptance, confidence and wall-clock benchmarks (JSON, Markdown, PNG)",
+                    kernels=True, compute=True, parents=[settings])
+    p.add_argument("--drafters", default=DEFAULT_BENCH_DRAFTERS,
+                   help="name=PATH,... (missing folders are skipped with a note); names 'dspark' and 'dflash' "
+                        f"give tau_ratio_dspark_over_dflash (default: {DEFAULT_BENCH_DRAFTERS})")
+    p.add_argument("--suites", default=None, help=f"comma-separated subset of {','.join(SUITES)},custom "
+                                                  "(default: all three, or only custom with --prompts)")
+    p.add_argument("--prompts", default=None, help="JSONL file, one {\"prompt\": ...} per line: the 'custom' suite")
+    p.add_argument("--no-builtin-dflash", action="store_true", help="skip the built-in speculation_type='dflash' path")
+    p.add_argument("--out", default=None, help="folder for benchmarks.json, benchmarks.md and the PNGs (e.g. docs)")
+    p.add_argument("--json", action="store_true", help="print the JSON to stdout")
+    return p

@@ -1,0 +1,115 @@
+"""What every ``dspark`` command shares: argument types, location and prompt checks, target and drafter loading,
+and :func:`add_command` (the shared ``--threads`` / ``--target`` / ``--drafter`` / ``--device`` options)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..defaults import default_drafter
+from ..modeling.configuration_dspark import MAX_BLOCK_SIZE
+
+DEFAULT_THREADS = 1  # see the README's "Threads and load": 2 threads collapse on a shared 2-core CPU
+GAMMA_HELP = (f"block size γ, drafts per round, 1..{MAX_BLOCK_SIZE} (default: the drafter's). The scheduler and async "
+              "modes need a calibration covering γ: the shipped drafter's covers γ <= 7; fixed and threshold modes "
+              f"take any γ up to {MAX_BLOCK_SIZE}")
+
+
+def _int_in(low: int, high: int | None = None):
+    """argparse type: an integer in ``low..high`` (no upper bound when ``high`` is None)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be in {low}..{high if high is not None else ''}, got {value}")
+        return value
+    return parse
+
+
+def _temperature(text: str) -> float:
+    """argparse type: a sampling temperature >= 0 (0 = greedy)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0.0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = greedy decoding), got {text}")
+    return value
+
+
+def _prompt(text: str) -> str:
+    """argparse type: a prompt with some non-blank text."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the prompt is empty; pass the text to answer")
+    return text
+
+
+def check_location(value, option: str) -> None:
+    """Exit with a clear message when ``value`` is neither an existing folder nor a valid Hub id."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if value is None or Path(value).expanduser().exists():
+        return
+    try:
+        validate_repo_id(str(value))
+    except HFValidationError:
+        sys.exit(f"{option} {value}: no such folder, and not a Hub id (ORG/NAME). Pass an existing folder or a Hub id.")
+
+
+def check_prompt_fits(prompt_length: int, max_new_tokens: int, target) -> None:
+    """Exit when the prompt plus ``max_new_tokens`` exceed the target's positions (refused, not truncated)."""
+    limit = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    if limit is not None and prompt_length + max_new_tokens > limit:
+        sys.exit(f"The prompt has {prompt_length} tokens and --max-new-tokens asks for {max_new_tokens} more, but the "
+                 f"target handles {limit} positions: shorten the prompt to at most {limit - max_new_tokens} tokens "
+                 "or lower --max-new-tokens.")
+
+
+def load_cli_target(args):
+    """``(target, tokenizer)`` for ``--target`` on ``--device``; on the CPU with oneDNN-prepacked kernels unless
+    ``--stock-kernels``."""
+    from ..decoding.targets import load_target
+
+    check_location(args.target, "--target")
+    device = getattr(args, "device", "cpu")
+    stock = getattr(args, "stock_kernels", False) or device != "cpu"  # prepacked kernels are CPU kernels
+    target, tokenizer = load_target(args.target, prepack=False if stock else None)
+    return target.to(device), tokenizer
+
+
+def load_models(args, need_drafter: bool = True):
+    """``(target, tokenizer, drafter)`` of ``--target`` and ``--drafter`` (default: the shipped drafter,
+    :func:`~dspark_hf.defaults.default_drafter`); exits with a message when the drafter folder is missing."""
+    from ..modeling.modeling_dspark import DSparkDrafter
+
+    if need_drafter:
+        check_location(args.drafter, "--drafter")
+        path = args.drafter or default_drafter()
+        if args.drafter is None and not Path(path).is_dir():
+            sys.exit(f"No drafter at {path}; pass --drafter PATH_OR_HUB_ID.")
+    target, tokenizer = load_cli_target(args)
+    drafter = DSparkDrafter.from_pretrained(path).bind(target).eval() if need_drafter else None
+    return target, tokenizer, drafter
+
+
+def add_command(sub, name, run, help, drafter=False, kernels=False, compute=False, parents=()):
+    """A ``dspark NAME`` subparser whose ``run(args)`` is called, with the options the command shares."""
+    p = sub.add_parser(name, help=help, parents=list(parents))
+    p.set_defaults(fn=run)
+    if compute:
+        p.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                       help=f"torch CPU threads (default {DEFAULT_THREADS}: torch's one-per-core default collapses "
+                            "when other work shares the CPU; try more on an idle many-core machine). Part of "
+                            "the SPS curve's cache key")
+    p.add_argument("--target", default=None, help="target model (Hub id or folder); default: bundled SmolLM2-135M-Instruct")
+    if drafter:
+        p.add_argument("--drafter", default=None, help=f"drafter folder or Hub id (default {default_drafter().name})")
+    if kernels:
+        p.add_argument("--device", default="cpu", help="device of the target and drafter, e.g. cuda (default cpu)")
+        p.add_argument("--stock-kernels", action="store_true",
+                       help="run the target's linear layers on torch's stock CPU kernels instead of oneDNN "
+                            "prepacked ones (dspark_hf.decoding.kernels; prepacking is the default where torch has oneDNN)")
+    return p

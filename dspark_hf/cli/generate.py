@@ -1,0 +1,69 @@
+"""``dspark generate``: one prompt with DSpark speculative decoding (``--compare`` also times plain ``generate``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ..modeling.configuration_dspark import MAX_BLOCK_SIZE, VERIFICATION_MODES
+from .common import GAMMA_HELP, _int_in, _prompt, _temperature, add_command, check_prompt_fits, load_models
+
+
+def run(args):
+    from transformers import TextStreamer
+
+    from ..evaluation.runs import timed_generate
+    from ..training.data import chat_ids
+
+    target, tokenizer, drafter = load_models(args)
+    prompt_ids = chat_ids(tokenizer, args.prompt)
+    check_prompt_fits(len(prompt_ids), args.max_new_tokens, target)
+    settings = {"dspark_verification": args.verify, "dspark_block_size": args.gamma, "dspark_lookup": args.lookup or None}
+    settings = {k: v for k, v in settings.items() if v is not None}
+    streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    try:  # DSpark's per-call checks (γ beyond the calibration, a mode the drafter lacks) raise before any compute
+        if args.compare:  # one short untimed run of each first, so neither timing pays first-call costs
+            timed_generate(target, prompt_ids, 8, args.temperature, drafter, **settings)
+            timed_generate(target, prompt_ids, 8, args.temperature)
+        run = timed_generate(target, prompt_ids, args.max_new_tokens, args.temperature, drafter, streamer, **settings)
+    except ValueError as err:
+        sys.exit(f"dspark generate: {err}")
+    if drafter.sps_curve is not None and drafter.sps_curve.observations:  # keep what this run taught the curve
+        from ..decoding.profiling import save_sps
+
+        save_sps(drafter.sps_curve, target)
+    result = {
+        "text": tokenizer.decode(run.tokens, skip_special_tokens=True),
+        "new_tokens": len(run.tokens),
+        "rounds": len(run.stats.rounds),
+        "tau": run.stats.tau,
+        "tokens_per_s": run.tokens_per_s,
+        "sources": run.stats.token_sources(),
+    }
+    if args.compare:
+        base = timed_generate(target, prompt_ids, args.max_new_tokens, args.temperature)
+        result |= {
+            "baseline_tokens_per_s": base.tokens_per_s,
+            "speedup": run.tokens_per_s / base.tokens_per_s,
+            "identical": base.tokens == run.tokens if args.temperature == 0 else None,
+        }
+    if args.json:
+        print(json.dumps(result))
+        return
+    summary = {k: v for k, v in result.items() if k != "text"}
+    print("\n---\n" + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+
+
+def add_parser(sub):
+    p = add_command(sub, "generate", run, "generate with DSpark speculative decoding", drafter=True, kernels=True,
+                compute=True)
+    p.add_argument("prompt", type=_prompt)
+    p.add_argument("--max-new-tokens", type=_int_in(1), default=128)
+    p.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy; > 0 samples at that temperature")
+    p.add_argument("--gamma", type=_int_in(1, MAX_BLOCK_SIZE), default=None, help=GAMMA_HELP)
+    p.add_argument("--verify", choices=VERIFICATION_MODES, default=None, help="verification mode (default: the drafter's config.verification)")
+    p.add_argument("--lookup", action="store_true",
+                   help="also draft n-gram continuations from the prompt and the text (dspark_lookup=True)")
+    p.add_argument("--compare", action="store_true", help="also run plain generate and report the speedup")
+    p.add_argument("--json", action="store_true")
+    return p

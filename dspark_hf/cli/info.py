@@ -1,0 +1,40 @@
+"""``dspark info``: versions, default target, drafter and cache paths."""
+
+from __future__ import annotations
+
+import json
+import platform
+
+from ..defaults import default_drafter
+from .common import add_command
+
+
+def run(args):
+    import torch
+    import transformers
+
+    from ..defaults import DEFAULT_TARGET_NAME, __version__, cache_root, default_target_dir, default_target_gguf
+
+    try:
+        gguf = str(default_target_gguf())
+    except (ModuleNotFoundError, FileNotFoundError) as err:
+        gguf = f"missing ({err})"
+    info = {
+        "dspark_hf": __version__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "default_target": DEFAULT_TARGET_NAME,
+        "default_target_gguf": gguf,
+        "default_target_cache": str(default_target_dir()),
+        "cache_root": str(cache_root()),
+        "default_drafter": str(drafter) if (drafter := default_drafter()).is_dir() else None,
+    }
+    print(json.dumps(info, indent=2) if args.json else "\n".join(f"{k}: {v}" for k, v in info.items()))
+
+
+def add_parser(sub):
+    p = add_command(sub, "info", run, "versions, default target and cache paths")
+    p.add_argument("--json", action="store_true")
+    return p

@@ -1,0 +1,25 @@
+"""``dspark push``: upload a drafter folder (with its card) to the Hugging Face Hub."""
+
+from __future__ import annotations
+
+import sys
+
+from ..hub.card import HubTokenError, push
+from .common import add_command
+
+
+def run(args):
+    try:
+        info = push(args.model_dir, args.repo_id, private=args.private)
+    except (HubTokenError, FileNotFoundError, ValueError) as err:
+        sys.exit(str(err))
+    print(f"pushed {args.model_dir} to {getattr(info, 'commit_url', None) or args.repo_id}")
+
+
+def add_parser(sub):
+    p = add_command(sub, "push", run, "upload a drafter folder (with its card) to the Hugging Face Hub")
+    p.add_argument("model_dir")
+    p.add_argument("--repo-id", required=True, help="ORG/NAME")
+    p.add_argument("--private", action="store_true",
+                   help="create the repo private (an existing repo keeps its visibility)")
+    return p

@@ -1,0 +1,29 @@
+"""Build hook: the wheel carries the shipped drafter as package data (``dspark_hf/drafters/<name>/``), so an installed
+``dspark generate`` finds its default drafter (``dspark_hf.defaults.default_drafter``). Everything else is in
+pyproject.toml."""
+
+import shutil
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+SHIPPED_DRAFTERS = ["dspark-smollm2-135m-instruct"]  # folders of model_cards/ that go into the wheel
+DRAFTER_FILES = ("config.json", "model.safetensors", "calibration.json", "training.json")
+
+
+class BuildPyWithDrafters(build_py):
+    def run(self):
+        super().run()
+        for name in SHIPPED_DRAFTERS:
+            source = Path("model_cards") / name
+            if not source.is_dir():  # e.g. an sdist without model_cards/: the wheel then has no default drafter
+                continue
+            target = Path(self.build_lib) / "dspark_hf" / "drafters" / name
+            target.mkdir(parents=True, exist_ok=True)
+            for file in DRAFTER_FILES:
+                if (source / file).is_file():
+                    shutil.copyfile(source / file, target / file)
+
+
+setup(cmdclass={"build_py": BuildPyWithDrafters})
