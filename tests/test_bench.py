@@ -14,7 +14,9 @@ from conftest import CPU_MS, tiny_llama, tiny_sps_curve
 
 import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
 from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling
+from dspark_hf.bench import loading, report
 from dspark_hf.bench import runner as bench
+from dspark_hf.bench import suites as suites_mod
 from dspark_hf.cli import bench as bench_cli
 from dspark_hf.decoding.stats import GenerationStats, RoundStats
 from dspark_hf.training.data import is_math_problem
@@ -93,16 +95,16 @@ def test_small_helpers(tmp_path):
     assert bench.first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert bench.first_divergence([1, 2, 3], [1, 5, 3]) == 1
     assert bench.first_divergence([1, 2], [1, 2, 3]) == 2
-    assert bench.parse_drafters("a=x, b=/y/z") == {"a": "x", "b": "/y/z"}
+    assert loading.parse_drafters("a=x, b=/y/z") == {"a": "x", "b": "/y/z"}
     with pytest.raises(ValueError):
-        bench.parse_drafters("a")
+        loading.parse_drafters("a")
     assert is_math_problem("What's the square root of pi")
     assert is_math_problem("Solve for x: 3x + 2 = 11")
     assert not is_math_problem("Tell me how to write a marketing strategy for 2023/24")
     assert not is_math_problem("Write a python function that adds 2 + 2")
     file = tmp_path / "p.jsonl"
     file.write_text('{"prompt": "hi"}\n\n{"prompt": "yo", "id": "x"}\n')
-    assert bench.read_prompts_file(file) == [("1", "hi"), ("x", "yo")]
+    assert suites_mod.read_prompts_file(file) == [("1", "hi"), ("x", "yo")]
 
 
 # ------------------------------------------------------------------------------------- smoke run
@@ -220,7 +222,7 @@ def test_runner_end_to_end(tmp_path):
         assert [r["rounds"] for r in builtin] == [sum(r.drafted > 0 for r in st.rounds) for st in own]
     assert result["round_cost"]["dspark:fixed"]["median_draft_ms"] > 0
 
-    path = bench.write_report(result, raw, tmp_path, drafters)
+    path = report.write_report(result, raw, tmp_path, drafters)
     loaded = json.loads(path.read_text())
     assert loaded["wall_clock"]["mismatches_total"] == 0
     assert (tmp_path / "benchmarks.md").read_text().startswith("# dspark bench")

@@ -12,17 +12,11 @@ from pathlib import Path
 
 from transformers import HfArgumentParser
 
-from ..bench.runner import (
-    SUITES,
-    BenchSettings,
-    encode_suites,
-    load_drafters,
-    markdown_report,
-    parse_drafters,
-    run_bench,
-    suite_texts,
-    write_report,
-)
+from ..bench.loading import load_drafters, parse_drafters
+from ..bench.report import markdown_report, write_report
+from ..bench.runner import run_bench
+from ..bench.settings import BenchSettings
+from ..bench.suites import SUITES, encode_suites, suite_texts
 from ..defaults import DEFAULT_BENCH_DRAFTERS
 from .common import add_command, load_cli_target
 

@@ -32,6 +32,11 @@ class RoundStats:
     verify_ms: float = 0.0
     lookup: int = 0
 
+    def is_full(self, gamma: int) -> bool:
+        """The round drafted and verified all ``gamma`` drafts of the drafter itself (no lookup tokens): the
+        fixed-length rounds that τ, acceptance and calibration are measured on."""
+        return self.drafted == self.scheduled == gamma and not self.lookup
+
 
 @dataclass
 class GenerationStats:
@@ -61,7 +66,7 @@ class GenerationStats:
         Returns ``(confidences [N, γ], accepted [N])``.
         """
         gamma = max((r.drafted for r in self.rounds), default=0)
-        keep = [r for r in self.rounds[:-1] if r.drafted == r.scheduled == gamma and r.confidences and not r.lookup]
+        keep = [r for r in self.rounds[:-1] if r.is_full(gamma) and r.confidences]
         if not keep:
             return torch.zeros(0, gamma), torch.zeros(0, dtype=torch.long)
         return torch.tensor([r.confidences for r in keep]), torch.tensor([r.accepted for r in keep])

@@ -23,8 +23,9 @@ import re
 import warnings
 from pathlib import Path
 
-from ..decoding.calibration import CALIBRATION_FILE
+from ..evaluation import tables
 from ..modeling.configuration_dspark import SCHEDULED_MODES
+from ..modeling.modeling_dspark import CALIBRATION_FILE
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 CARD_TEMPLATE = TEMPLATES / "model_card.md"
@@ -61,9 +62,7 @@ def _fmt(value) -> str:
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
     """A GitHub-flavoured markdown table; cells go through :func:`_fmt`."""
-    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
+    return tables.markdown_table(header, rows, _fmt)
 
 
 def _flatten(value, prefix: str = "") -> dict:

@@ -1,0 +1,101 @@
+"""Loading what ``dspark bench`` compares: the drafters named by ``--drafters`` and a description of the machine."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from ..defaults import resolve_checkout_path
+
+
+def _log_default(*args):
+    print(*args, file=sys.stderr, flush=True)
+
+
+def parse_drafters(spec: str) -> dict[str, str]:
+    """``"a=PATH,b=PATH"`` -> ``{"a": "PATH", "b": "PATH"}``.
+
+    Raises:
+        ValueError: an entry without ``=`` or a repeated name.
+    """
+    out = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--drafters entries are name=PATH, got {item!r}")
+        if name in out:
+            raise ValueError(f"drafter name {name!r} given twice")
+        out[name] = path
+    return out
+
+
+def load_drafters(spec: dict[str, str], target, gamma: int, log=_log_default) -> tuple[dict, list[str]]:
+    """Load every drafter folder that exists (relative paths: CWD first, then the repo root), bind it.
+
+    A drafter with a confidence head but no ``calibration.json`` gets identity STS (all T = 1), and a note.
+
+    Returns:
+        ``({name: drafter}, notes)``.
+
+    Raises:
+        ValueError: a calibration that covers fewer than γ positions.
+    """
+    from ..decoding.calibration import SequentialTemperatureScaling
+    from ..modeling.modeling_dspark import DSparkDrafter
+
+    drafters, notes = {}, []
+    for name, path in spec.items():
+        folder = resolve_checkout_path(path)
+        if not folder.is_dir():
+            note = f"drafter {name!r}: no folder at {path}; skipped."
+            log(f"note: {note}")
+            notes.append(note)
+            continue
+        drafter = DSparkDrafter.from_pretrained(str(folder)).bind(target).eval()
+        drafter.bench_path = str(folder)
+        drafter.bench_calibration = "calibration.json"
+        if drafter.confidence is not None and drafter.calibration is None:
+            drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * max(gamma, drafter.config.block_size))
+            drafter.bench_calibration = "identity (no calibration.json)"
+            note = (f"drafter {name!r} has no calibration.json: STS is the identity (all T = 1), so 'after STS' "
+                    "equals 'before' and the scheduler uses raw confidences.")
+            log(f"note: {note}")
+            notes.append(note)
+        if drafter.calibration is not None and len(drafter.calibration.temperatures) < gamma:
+            raise ValueError(f"drafter {name!r}: calibration covers {len(drafter.calibration.temperatures)} positions, "
+                             f"γ = {gamma}; pass --gamma {len(drafter.calibration.temperatures)} or recalibrate.")
+        if drafter.config.block_size != gamma:
+            notes.append(f"drafter {name!r} was trained with block_size {drafter.config.block_size}; benched at γ = {gamma}.")
+        drafters[name] = drafter
+    return drafters, notes
+
+
+def machine_info(command: str) -> dict:
+    """CPU model, cores, threads, versions, date and the exact command line."""
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+    }

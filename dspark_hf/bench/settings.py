@@ -1,0 +1,36 @@
+"""``BenchSettings``: what one bench run does (``dspark bench`` flags through ``HfArgumentParser``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_THRESHOLDS = tuple(round(0.1 * i, 1) for i in range(10))  # 0, 0.1, ..., 0.9 (paper Fig. 5)
+
+
+@dataclass
+class BenchSettings:
+    """What one bench run does: ``dspark bench`` flags of the same names (``HfArgumentParser``, see
+    :mod:`dspark_hf.cli.bench`)."""
+
+    gamma: int = field(default=7, metadata={"help": "drafts per round γ (default: 7, as paper Table 1)"})
+    max_new_tokens: int = field(default=96, metadata={"help": "new tokens per generation (default: 96; 32 with --limit)"})
+    limit: int = field(default=4, metadata={  # the default run (3 suites, 3 drafters) takes ~12 min on 2 CPU cores
+        "help": "prompts per suite; giving it makes a quick run at 32 new tokens unless --max-new-tokens is given "
+                "too (default: the full run, 4 prompts per suite at 96 tokens)"})
+    max_prompt_tokens: int = field(default=320, metadata={  # the training data used <= 320
+        "help": "skip longer chat-formatted prompts (default: 320)"})
+    thresholds: list[float] = field(default_factory=lambda: list(DEFAULT_THRESHOLDS), metadata={
+        "help": "static thresholds of the sweep (paper Fig. 5; default 0, 0.1, ..., 0.9)"})
+    sampling_temperature: float = field(default=1.0, metadata={"help": "temperature of the sampled τ pass (the T = 1 "
+                                                                       "protocol of paper §4.1)"})
+    prompt_lookup_num_tokens: int = field(default=7, metadata={
+        "aliases": ["--prompt-lookup"],  # transformers' PromptLookupCandidateGenerator baseline
+        "help": "prompt_lookup_num_tokens of the prompt-lookup baseline (default: 7)"})
+    warmup_tokens: int = field(default=8, metadata={"help": "one untimed generation of this length per method before "
+                                                            "pass 2 (default 8)"})
+
+    def __post_init__(self):
+        for name, value, least in (("gamma", self.gamma, 1), ("max_new_tokens", self.max_new_tokens, 2),
+                                   ("limit", self.limit, 1)):
+            if value < least:
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be >= {least}, got {value}")
