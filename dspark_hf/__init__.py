@@ -15,8 +15,9 @@ from transformers import AutoConfig, AutoModel
 from .decoding.calibration import SequentialTemperatureScaling
 from .decoding.candidate_generator import DSparkCandidateGenerator
 from .decoding.kernels import pack_rows, prepack_linears
-from .decoding.profiling import NoisySPSWarning, SPSCurve, load_or_profile_sps, profile_sps, save_sps
+from .decoding.profiling import load_or_profile_sps, profile_sps, save_sps
 from .decoding.routing import install, uninstall
+from .decoding.sps import NoisySPSWarning, SPSCurve
 from .decoding.stats import GenerationStats
 from .decoding.targets import load_default_target, load_target
 from .defaults import __version__ as __version__

@@ -88,7 +88,7 @@ def fake_target(positions: int):
 
 def test_prompt_longer_than_the_target_is_refused(monkeypatch):
     monkeypatch.setattr(generate, "load_models", lambda args: (fake_target(8192), None, None))
-    monkeypatch.setattr("dspark_hf.training.data.chat_ids", lambda tokenizer, prompt: list(range(8190)))
+    monkeypatch.setattr("dspark_hf.decoding.targets.chat_ids", lambda tokenizer, prompt: list(range(8190)))
     monkeypatch.setattr("dspark_hf.evaluation.runs.timed_generate", lambda *a, **k: pytest.fail("generate ran"))
     with pytest.raises(SystemExit, match="8190 tokens.*128 more.*8192 positions.*at most 8064 tokens"):
         cli.main(["generate", "x" * 10, "--json"])

@@ -23,7 +23,9 @@ from transformers import PreTrainedTokenizerFast
 import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
 from dspark_hf import SequentialTemperatureScaling
 from dspark_hf.decoding.stats import GenerationStats, RoundStats
-from dspark_hf.demo.app import (
+from dspark_hf.demo.app import check_lookup, stream_generation
+from dspark_hf.demo.render import confidence_curve, stats_html
+from dspark_hf.demo.transcript import (
     BONUS,
     CORRECTION,
     DRAFT,
@@ -34,11 +36,7 @@ from dspark_hf.demo.app import (
     RoundStreamer,
     RoundView,
     Transcript,
-    check_lookup,
-    confidence_curve,
     split_chunk,
-    stats_html,
-    stream_generation,
 )
 from dspark_hf.training.data import chat_ids
 

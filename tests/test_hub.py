@@ -32,6 +32,8 @@ from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling
 from dspark_hf.cli.main import main as cli_main
 from dspark_hf.decoding.targets import DEFAULT_TARGET_NAME
 from dspark_hf.hub import card as hub
+from dspark_hf.hub import push as hub_push
+from dspark_hf.hub import sections as hub_sections
 
 REPO_ID = "org/dspark-tiny"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -134,7 +136,7 @@ def test_card_folder_is_the_hub_repo(saved):
     assert auto_map == {"AutoConfig": "configuration_dspark.DSparkConfig", "AutoModel": "modeling_dspark.DSparkDrafter"}
     assert hub.card_repo_id(card) == REPO_ID
     assert (card / "custom_generate/requirements.txt").read_text().startswith(f"dspark-hf>={dspark_hf.__version__}")
-    hub.check_card_folder(card, REPO_ID)
+    hub_push.check_card_folder(card, REPO_ID)
 
 
 def test_card_metadata_and_records(saved):
@@ -151,7 +153,7 @@ def test_card_metadata_and_records(saved):
     assert "| mt-bench | 3.21 | 2.87 |" in text and "| humaneval | 4.02 | – |" in text  # τ: rows x settings
     assert "| humaneval | 1.83 |" in text and BENCH["machine"] in text and BENCH["command"] in text
     report = json.loads((saved / "card" / "calibration.json").read_text())["report"]
-    assert f"{hub._fmt(report['mean_ece_before'])} before → {hub._fmt(report['mean_ece_after'])} after" in text
+    assert f"{hub_sections._fmt(report['mean_ece_before'])} before → {hub_sections._fmt(report['mean_ece_after'])} after" in text
     assert "1200 optimizer steps in 54.25 minutes" in text and "| accept | 0.700 | 0.500 | 0.350 | 0.200 |" in text
     assert "Not measured yet" not in text
 
@@ -161,21 +163,21 @@ def test_card_without_records_invents_nothing(saved):
     text = hub.build_card(config, repo=REPO_ID).text
     sections = dict(re.findall(r"^## (\w[\w ]*)\n(.*?)(?=^## |\Z)", text, re.S | re.M))
     for name in ("Speed", "Confidence calibration", "Training"):
-        assert hub.NOT_MEASURED in sections[name], name
+        assert hub_sections.NOT_MEASURED in sections[name], name
     assert not re.search(r"\d", sections["Speed"])
     partial = hub.build_card(config, repo=REPO_ID, bench={"tau": {"mt-bench": 3.0}}).text
     speed = partial.split("## Speed")[1].split("## ")[0]
-    assert "| mt-bench | 3.00 |" in speed and hub.NOT_MEASURED in speed and "machine not recorded" in speed
+    assert "| mt-bench | 3.00 |" in speed and hub_sections.NOT_MEASURED in speed and "machine not recorded" in speed
 
 
 def test_metric_block_renders_any_flat_or_nested_record():
-    assert hub.metric_block("tau", 3.14159) == "**tau**: 3.14"
-    assert hub.metric_block("tau", {"a": 2.5, "b": 123.456}).splitlines()[2:] == ["| a | 2.50 |", "| b | 123.5 |"]
-    nested = hub.metric_block("tau", {"a": {"x": 1.0, "y": {"z": 2}}, "b": {"x": 3.0}})
+    assert hub_sections.metric_block("tau", 3.14159) == "**tau**: 3.14"
+    assert hub_sections.metric_block("tau", {"a": 2.5, "b": 123.456}).splitlines()[2:] == ["| a | 2.50 |", "| b | 123.5 |"]
+    nested = hub_sections.metric_block("tau", {"a": {"x": 1.0, "y": {"z": 2}}, "b": {"x": 3.0}})
     assert nested.splitlines()[0] == "|  | x | y/z |" and "| b | 3.00 | – |" in nested
-    rows = hub.metric_block("tps", [{"suite": "s1", "v": 1.5}, {"suite": "s2", "v": 2.5}])
+    rows = hub_sections.metric_block("tps", [{"suite": "s1", "v": 1.5}, {"suite": "s2", "v": 2.5}])
     assert "| 2 | s2 | 2.50 |" in rows
-    tables = hub.metric_block("tau", {"greedy": {"d1": {"s": 3.0}}, "t1": {"d1": {"s": 2.0}}})
+    tables = hub_sections.metric_block("tau", {"greedy": {"d1": {"s": 3.0}}, "t1": {"d1": {"s": 2.0}}})
     assert tables.startswith("*greedy*") and "*t1*" in tables and "| d1 | 2.00 |" in tables
 
 
@@ -196,15 +198,15 @@ def test_dspark_bench_results_are_summarised():
                        }}},
         "notes": [], "runtime_s": 100.0,
     }
-    speed = hub.speed_section(result)
+    speed = hub_sections.speed_section(result)
     assert "*greedy*" in speed and "| dspark | 3.40 | 3.40 |" in speed and "| dflash | 3.00 | 3.00 |" in speed
     assert "| dspark:scheduler | 1.60 |" in speed and "| dspark:scheduler | 24.00 |" in speed
     assert "- cpu: Some CPU" in speed and "dspark bench --out docs" in speed and "Date: 2026-11-29" in speed
     assert "**greedy outputs that differ from plain generate**: 0" in speed and "| gamma | 7 |" in speed
-    assert "per_prompt" not in speed and "runtime_s" not in speed and hub.measured_on_cpu(result)
+    assert "per_prompt" not in speed and "runtime_s" not in speed and hub_sections.measured_on_cpu(result)
     compare = {"command": "python scripts/compare_generate.py --n 10", "modes": {
         "scheduler": {"median_speedup": 1.07, "median_tau": 1.5, "identical": 10, "prompts": 10, "runs": [{"id": "x"}]}}}
-    speed = hub.speed_section(result, compare)
+    speed = hub_sections.speed_section(result, compare)
     assert speed.index("dspark generate --compare") < speed.index("*greedy*")
     assert "| scheduler | 1.07 | 1.50 | 10 | 10 |" in speed and "compare_generate.py --n 10" in speed
     assert '"id"' not in speed and "| x |" not in speed
@@ -328,8 +330,8 @@ def fake_api(monkeypatch):
 
 def test_push_without_token_names_the_fix(saved, monkeypatch, fake_api):
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
-    with pytest.raises(hub.HubTokenError, match=r"huggingface-cli login.*HF_TOKEN"):
-        hub.push(saved / "card", REPO_ID)
+    with pytest.raises(hub_push.HubTokenError, match=r"huggingface-cli login.*HF_TOKEN"):
+        hub_push.push(saved / "card", REPO_ID)
     with pytest.raises(SystemExit, match="HF_TOKEN"):
         cli_main(["push", str(saved / "card"), "--repo-id", REPO_ID])
     assert fake_api == []
@@ -348,7 +350,7 @@ def test_push_uploads_the_folder(saved, monkeypatch, fake_api):
 def test_push_refuses_a_card_written_for_another_repo(saved, monkeypatch, fake_api):
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: pytest.fail("checked the token before the folder"))
     with pytest.raises(ValueError, match="dspark card .* --repo-id org/other"):
-        hub.push(saved / "card", "org/other")
+        hub_push.push(saved / "card", "org/other")
     assert fake_api == []
 
 
@@ -362,5 +364,5 @@ def test_sharded_drafter_counts_and_checks_like_one_file(tmp_path):
     n = sum(p.numel() for p in drafter.parameters())
     assert hub._count_params(tmp_path / "sharded") == hub._count_params(tmp_path / "one") == n
     with pytest.raises(FileNotFoundError) as missing:
-        hub.check_card_folder(tmp_path / "sharded", REPO_ID)
+        hub_push.check_card_folder(tmp_path / "sharded", REPO_ID)
     assert "README.md" in str(missing.value) and "model.safetensors" not in str(missing.value)  # weights found

@@ -12,8 +12,8 @@ from .common import GAMMA_HELP, _int_in, _prompt, _temperature, add_command, che
 def run(args):
     from transformers import TextStreamer
 
+    from ..decoding.targets import chat_ids
     from ..evaluation.runs import timed_generate
-    from ..training.data import chat_ids
 
     target, tokenizer, drafter = load_models(args)
     prompt_ids = chat_ids(tokenizer, args.prompt)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from ..hub.card import HubTokenError, push
+from ..hub.push import HubTokenError, push
 from .common import add_command
 
 

