@@ -18,7 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dspark_hf.bench.runner import BenchSettings, encode_suites, suite_texts
+from dspark_hf.bench.settings import BenchSettings
+from dspark_hf.bench.suites import encode_suites, suite_texts
 from dspark_hf.decoding.targets import load_default_target
 
 
