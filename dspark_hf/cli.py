@@ -214,7 +214,8 @@ def cmd_train(args):
 
         if not cfg.tokens_file:
             sys.exit(f"--export-tokens writes the config's tokens_file, and {args.config} sets none.")
-        print(f"{export_tokens(cfg.data_dir, cfg.tokens_file)} rows of {cfg.data_dir} written to {cfg.tokens_file}")
+        data_dir = cfg.data_dirs[0]
+        print(f"{export_tokens(data_dir, cfg.tokens_file)} rows of {data_dir} written to {cfg.tokens_file}")
         return
     import torch
 
@@ -227,8 +228,8 @@ def cmd_train(args):
     target.to(state.device)
     if state.is_main_process and not args.train_only:  # one (resumable) regeneration; the others wait for its data
         layers = spread_layer_ids(target.config.num_hidden_layers, cfg.num_context_layers)
-        prepare_data(target, tokenizer, cfg.data_dir, layers, cfg.target_tokens, cfg.gen_batch_size,
-                     max_new_tokens=cfg.max_new_tokens, worker=args.worker, tokens_file=cfg.tokens_file)
+        prepare_data(target, tokenizer, cfg.data_dirs[0], layers, cfg.target_tokens, cfg.gen_batch_size,
+                     max_new_tokens=cfg.max_new_tokens, worker=args.worker, tokens_file=cfg.tokens_file, replies=cfg.replies)
     state.wait_for_everyone()
     if args.prepare_only:
         return
