@@ -77,6 +77,7 @@ class TrainConfig:
     save_every: int = 250
     val_sequences: int = 32
     threads: int | None = None  # torch CPU threads (None: torch's default)
+    mixed_precision: str = "no"  # accelerate's: "bf16" runs the drafter's forward under bf16 autocast (fp32 weights)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "TrainConfig":
@@ -434,7 +435,8 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
     """
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    accelerator = Accelerator(cpu=target.device.type == "cpu")  # the only process, or this one of `accelerate launch`
+    # the only process, or this one of `accelerate launch`
+    accelerator = Accelerator(cpu=target.device.type == "cpu", mixed_precision=cfg.mixed_precision)
     rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
     if cfg.sequences_per_step % world:
         raise ValueError(f"sequences_per_step ({cfg.sequences_per_step}) is the global batch of all {world} processes: "

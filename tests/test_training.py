@@ -191,10 +191,11 @@ def test_target_labels_are_the_targets_top1(tiny_data):
         TrainConfig(labels="argmax")
 
 
-def test_smoke_training_lowers_validation_loss(tiny_data, tmp_path):
+@pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
+def test_smoke_training_lowers_validation_loss(tiny_data, tmp_path, mixed_precision):
     target, out = tiny_data
     cfg = TrainConfig(data_dir=[str(out)], out_dir=str(tmp_path / "run"), num_hidden_layers=1, sequential_rank=8,
-                      block_size=4, num_context_layers=2, draft_vocab_size=None, mask_token_id=0,
+                      block_size=4, num_context_layers=2, draft_vocab_size=None, mask_token_id=0, mixed_precision=mixed_precision,
                       steps=60, sequences_per_step=4, anchors_per_sequence=6, lr=3e-3, warmup_steps=5,
                       eval_every=60, save_every=30, val_sequences=6)
     final = train(target, cfg, progress=False)
