@@ -14,6 +14,7 @@ import datasets
 import pytest
 import torch
 import yaml
+from accelerate.state import AcceleratorState
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
@@ -193,6 +194,7 @@ def test_target_labels_are_the_targets_top1(tiny_data):
 
 @pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
 def test_smoke_training_lowers_validation_loss(tiny_data, tmp_path, mixed_precision):
+    AcceleratorState._reset_state(reset_partial_state=True)  # one precision per process, as under `dspark train`
     target, out = tiny_data
     cfg = TrainConfig(data_dir=[str(out)], out_dir=str(tmp_path / "run"), num_hidden_layers=1, sequential_rank=8,
                       block_size=4, num_context_layers=2, draft_vocab_size=None, mask_token_id=0, mixed_precision=mixed_precision,
@@ -204,6 +206,7 @@ def test_smoke_training_lowers_validation_loss(tiny_data, tmp_path, mixed_precis
     assert last["loss"] < 0.8 * first["loss"]
     assert last["tau"] > first["tau"]
     assert (final / "model.safetensors").is_file() and (tmp_path / "run" / "checkpoint" / "state.pt").is_file()
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def test_drafter_overfits_its_training_prompts(tmp_path):
