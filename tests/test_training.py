@@ -14,6 +14,7 @@ import datasets
 import pytest
 import torch
 import yaml
+from accelerate.state import AcceleratorState
 from conftest import tiny_llama
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
@@ -24,9 +25,10 @@ from transformers.utils.hub import convert_file_size_to_int
 import dspark_hf
 from dspark_hf import DSparkConfig, DSparkDrafter
 from dspark_hf.cli.main import main as cli_main
+from dspark_hf.decoding.targets import load_default_target
 from dspark_hf.modeling.configuration_dspark import spread_layer_ids
 from dspark_hf.training import trainer as training
-from dspark_hf.training.data import export_tokens, load_shards, prepare_data
+from dspark_hf.training.data import chat_ids, export_tokens, load_shards, prepare_data, reply_ids
 from dspark_hf.training.trainer import (
     FeatureBatcher,
     TrainConfig,
@@ -143,10 +145,68 @@ def test_prepared_rows_are_aligned(tiny_data):
     assert torch.equal(row["topk_ids"][:, 0].long(), logits[p : n - 1].argmax(-1))
 
 
-def test_smoke_training_lowers_validation_loss(tiny_data, tmp_path):
+def test_dataset_replies_are_featurized_as_written(tmp_path):
+    """``replies="dataset"`` rows hold the queue's prompt + reply tokens unchanged, with the target's features and
+    next-token distribution over the reply, as one regenerated the same tokens would."""
+    target = tiny_llama(48, 32, 6, bos_token_id=1, pad_token_id=None)
+    items = [(f"d{i}_0", "train", torch.randint(3, 48, (5,)).tolist(), torch.randint(3, 48, (n,)).tolist())
+             for i, n in enumerate((2, 9, 30))]
+    datasets.disable_progress_bars()
+    prepare_data(target, None, tmp_path / "data", spread_layer_ids(6, 2), batch_size=2, topk=8, queue=items, replies="dataset")
+    rows = load_shards(tmp_path / "data", "train")
+    assert [r["input_ids"].tolist() for r in rows] == [p + r for _, _, p, r in items]
+    for row, (_, _, prompt, reply) in zip(rows, items):
+        ids = row["input_ids"][None].long()
+        with torch.no_grad():
+            out = target(ids, output_hidden_states=True)
+        assert row["features"].shape == (len(prompt) + len(reply) - 1, 2 * 32)
+        first = spread_layer_ids(6, 2)[0] + 1  # the first context layer's output
+        torch.testing.assert_close(row["features"][:, :32].float(), out.hidden_states[first][0, :-1], atol=2e-3, rtol=1e-3)
+        probs = out.logits[0, len(prompt) : -1].softmax(-1)
+        assert torch.equal(row["topk_ids"][:, 0].long(), probs.argmax(-1))
+        torch.testing.assert_close(row["topk_probs"][:, 0].float(), probs.max(-1).values, atol=1e-3, rtol=1e-3)
+    with pytest.raises(ValueError, match='replies must be "target" or "dataset"'):
+        prepare_data(target, None, tmp_path / "x", [1], queue=items, replies="sharegpt")
+
+
+def test_reply_ids_follow_the_chat_template():
+    """A ShareGPT reply becomes the assistant turn the template would write, through its end-of-turn token."""
+    tokenizer = load_default_target()[1]
+    prompt_ids = chat_ids(tokenizer, "hi")
+    whole = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello there!"}],
+                                          tokenize=True, return_dict=False)
+    reply = reply_ids(tokenizer, "hi", "Hello there!", prompt_ids, max_tokens=512)
+    assert prompt_ids + reply == whole[: len(prompt_ids) + len(reply)] and reply[-1] == tokenizer.eos_token_id
+    assert tokenizer.decode(reply) == "Hello there!<|im_end|>"
+    assert reply_ids(tokenizer, "hi", "Hello there!", prompt_ids, max_tokens=2) == reply[:2]
+    assert reply_ids(tokenizer, "hi", "Hello there!", prompt_ids, max_tokens=1) is None  # under two tokens
+
+
+def test_target_labels_are_the_targets_top1(tiny_data):
+    """``labels="target"``: the cross-entropy label of each draft position is the target's top-1 (draft-vocab row),
+    not the row's next token; everything else is packed as with ``labels="data"``."""
     target, out = tiny_data
-    cfg = TrainConfig(data_dir=str(out), out_dir=str(tmp_path / "run"), num_hidden_layers=1, sequential_rank=8,
-                      block_size=4, num_context_layers=2, draft_vocab_size=None, mask_token_id=0,
+    rows = load_shards(out, "train")
+    drafter = DSparkDrafter(DSparkConfig.for_target(target, num_context_layers=2, num_hidden_layers=1, block_size=4,
+                                                    mask_token_id=0))
+    data, top1 = (FeatureBatcher(rows, drafter, 4, torch.Generator().manual_seed(5), labels).sample(6, 3)
+                  for labels in ("data", "target"))
+    for key in ("anchors", "tokens", "valid", "target_ids", "target_probs", "features"):
+        torch.testing.assert_close(top1[key], data[key])
+    valid = data["valid"]
+    assert torch.equal(top1["labels"][valid], data["target_ids"][..., 0][valid])
+    assert torch.equal(data["labels"][valid], data["tokens"][..., 1:][valid])  # no draft vocabulary: rows = ids
+    assert not torch.equal(top1["labels"][valid], data["labels"][valid])  # T = 1 samples are not all the argmax
+    with pytest.raises(ValueError, match="labels must be one of"):
+        TrainConfig(labels="argmax")
+
+
+@pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
+def test_smoke_training_lowers_validation_loss(tiny_data, tmp_path, mixed_precision):
+    AcceleratorState._reset_state(reset_partial_state=True)  # one precision per process, as under `dspark train`
+    target, out = tiny_data
+    cfg = TrainConfig(data_dir=[str(out)], out_dir=str(tmp_path / "run"), num_hidden_layers=1, sequential_rank=8,
+                      block_size=4, num_context_layers=2, draft_vocab_size=None, mask_token_id=0, mixed_precision=mixed_precision,
                       steps=60, sequences_per_step=4, anchors_per_sequence=6, lr=3e-3, warmup_steps=5,
                       eval_every=60, save_every=30, val_sequences=6)
     final = train(target, cfg, progress=False)
@@ -155,6 +215,7 @@ def test_smoke_training_lowers_validation_loss(tiny_data, tmp_path):
     assert last["loss"] < 0.8 * first["loss"]
     assert last["tau"] > first["tau"]
     assert (final / "model.safetensors").is_file() and (tmp_path / "run" / "checkpoint" / "state.pt").is_file()
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def test_drafter_overfits_its_training_prompts(tmp_path):

@@ -29,7 +29,8 @@ def run(args):
 
         if not cfg.tokens_file:
             sys.exit(f"--export-tokens writes the config's tokens_file, and {args.config} sets none.")
-        print(f"{export_tokens(cfg.data_dir, cfg.tokens_file)} rows of {cfg.data_dir} written to {cfg.tokens_file}")
+        data_dir = cfg.data_dir[0]
+        print(f"{export_tokens(data_dir, cfg.tokens_file)} rows of {data_dir} written to {cfg.tokens_file}")
         return
     import torch
 
@@ -42,8 +43,8 @@ def run(args):
     target.to(state.device)
     if state.is_main_process and not args.train_only:  # one (resumable) regeneration; the others wait for its data
         layers = spread_layer_ids(target.config.num_hidden_layers, cfg.num_context_layers)
-        prepare_data(target, tokenizer, cfg.data_dir, layers, cfg.target_tokens, cfg.gen_batch_size,
-                     max_new_tokens=cfg.max_new_tokens, worker=args.worker, tokens_file=cfg.tokens_file)
+        prepare_data(target, tokenizer, cfg.data_dir[0], layers, cfg.target_tokens, cfg.gen_batch_size,
+                     max_new_tokens=cfg.max_new_tokens, worker=args.worker, tokens_file=cfg.tokens_file, replies=cfg.replies)
     state.wait_for_everyone()
     if args.prepare_only:
         return
@@ -81,9 +82,9 @@ def add_parser(sub):
                     parents=[config])
     p.add_argument("--config", default=str(DEFAULT_TRAIN_CONFIG))
     p.add_argument("--prepare-only", action="store_true", help="only generate and cache the training data")
-    p.add_argument("--train-only", action="store_true", help="train on the data already cached in data_dir (no regeneration)")
+    p.add_argument("--train-only", action="store_true", help="train on the data already cached in the data_dir folders (no regeneration)")
     p.add_argument("--export-tokens", action="store_true",
-                   help="write the token ids of data_dir's shards to the config's tokens_file (to commit) and exit")
+                   help="write the token ids of the first data_dir's shards to the config's tokens_file (to commit) and exit")
     p.add_argument("--worker", type=_worker, default=(0, 1), metavar="K/N",
                    help="regenerate only shards i with i %% N == K, so N processes can share the work (default 0/1)")
     return p

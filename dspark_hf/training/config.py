@@ -18,7 +18,7 @@ class TrainConfig:
     comes first, so drafters compared in benchmarks can share one budget.
     """
 
-    data_dir: str = "runs/data"
+    data_dir: list[str] = field(default_factory=lambda: ["runs/data"])  # train on all; `dspark train` fills the first
     out_dir: str = "runs/drafter"
     # drafter
     num_hidden_layers: int = 2
@@ -34,6 +34,8 @@ class TrainConfig:
     gen_batch_size: int = 48
     max_new_tokens: int = 192
     tokens_file: str | None = None  # committed token ids of past regenerations (data.export_tokens): featurized, not regenerated
+    replies: str = "target"  # "target": regenerated (paper §4.1); "dataset": ShareGPT's own replies, teacher-forced
+    labels: str = "data"  # cross-entropy label: "data" (the next token of the row) or "target" (the target's top-1)
     # optimisation
     steps: int = 3000
     max_minutes: float = 60.0
@@ -52,6 +54,7 @@ class TrainConfig:
     save_every: int = 250
     val_sequences: int = 32
     threads: int | None = None  # torch CPU threads (None: torch's default)
+    mixed_precision: str = "no"  # accelerate's: "bf16" runs the drafter's forward under bf16 autocast (fp32 weights)
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides) -> "TrainConfig":
@@ -63,3 +66,11 @@ class TrainConfig:
             raise ValueError(f"Unknown training config keys in {path}: {sorted(unknown)}")
         (config,) = HfArgumentParser(cls).parse_dict({**values, **overrides})
         return config
+
+    def __post_init__(self):
+        if isinstance(self.data_dir, (str, Path)):  # one folder, as most configs write it
+            self.data_dir = [str(self.data_dir)]
+        for key, allowed in (("replies", ("target", "dataset")), ("labels", ("data", "target")),
+                             ("mixed_precision", ("no", "bf16", "fp16"))):
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"{key} must be one of {allowed}, got {getattr(self, key)!r}")

@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import datasets
 import torch
 import yaml
 from accelerate import Accelerator
@@ -35,16 +36,29 @@ MAX_SHARD_SIZE = "16MB"  # safetensors shards of saved drafters (save_pretrained
 
 # -------------------------------------------------------------------------------------- data
 class FeatureBatcher:
-    """Samples packed training batches from cached rows (anchor-bounded packing, §3.3 / §5.1)."""
+    """Samples packed training batches from cached rows (anchor-bounded packing, §3.3 / §5.1).
 
-    def __init__(self, rows, drafter: DSparkDrafter, block_size: int, generator: torch.Generator):
-        self.rows = [r for r in rows if len(r["input_ids"]) - r["prompt_len"] >= 2]
-        if not self.rows:
+    ``rows``: a list of row dicts or a memory-mapped dataset (:func:`load_rows`), read one row at a time.
+    ``labels``: the cross-entropy label of draft position ``k``, the row's next token (``"data"``: the
+    target's own sample for regenerated rows) or the target's top-1 there (``"target"``: for dataset replies,
+    whose next token the target did not choose).
+    """
+
+    def __init__(self, rows, drafter: DSparkDrafter, block_size: int, generator: torch.Generator, labels: str = "data"):
+        ids, prompt_lens = token_columns(rows)
+        self.rows = rows
+        self.index = [i for i, (x, p) in enumerate(zip(ids, prompt_lens)) if len(x) - int(p) >= 2]
+        if not self.index:
             raise ValueError("No usable training rows (responses shorter than 2 tokens).")
         self.vocab_index = drafter.vocab_index.cpu()  # packing runs on the CPU, whatever the drafter's device
         self.oov = drafter.draft_vocab.numel()
         self.gamma = block_size
         self.generator = generator
+        self.labels = labels
+
+    def usable(self, limit: int | None = None) -> list[dict]:
+        """The first ``limit`` rows with at least one anchor, as dicts."""
+        return [self.rows[i] for i in self.index[:limit]]
 
     def sample(self, sequences: int, anchors: int, rank: int = 0, world: int = 1) -> dict:
         """A global batch of ``sequences`` random rows with up to ``anchors`` anchors each, of which this
@@ -53,8 +67,8 @@ class FeatureBatcher:
         Every process draws the whole batch (rows and anchors) from the same generator, so the processes'
         generators stay in step and their shares together are exactly the batch one process would pack.
         """
-        picks = torch.randint(len(self.rows), (sequences,), generator=self.generator).tolist()
-        rows = [self.rows[i] for i in picks]
+        picks = torch.randint(len(self.index), (sequences,), generator=self.generator).tolist()
+        rows = [self.rows[self.index[i]] for i in picks]
         per_row = [self._anchors(r, anchors) for r in rows]
         return self._pack(rows[rank::world], per_row[rank::world])
 
@@ -85,10 +99,10 @@ class FeatureBatcher:
                 top_ids[s, b, :span] = row["topk_ids"][a - p0 : a - p0 + span].long()
                 top_probs[s, b, :span] = row["topk_probs"][a - p0 : a - p0 + span].float()
         rows_of = lambda t: torch.where(self.vocab_index[t] < self.oov, self.vocab_index[t], -1)  # noqa: E731
-        return dict(
-            features=feats, anchors=anchor_pos, tokens=tokens, valid=valid,
-            labels=rows_of(tokens[..., 1:]), target_ids=rows_of(top_ids), target_probs=top_probs,
-        )
+        target_ids = rows_of(top_ids)
+        labels = rows_of(tokens[..., 1:]) if self.labels == "data" else target_ids[..., 0]
+        return dict(features=feats, anchors=anchor_pos, tokens=tokens, valid=valid, labels=labels,
+                    target_ids=target_ids, target_probs=top_probs)
 
     def _anchors(self, row, count: int) -> torch.Tensor:
         """Sorted anchor positions in ``[prompt_len, n - 2]`` (each has >= 1 token to predict)."""
@@ -97,15 +111,23 @@ class FeatureBatcher:
         return choices.sort().values
 
 
-def load_rows(data_dir: str | Path, split: str) -> list[dict]:
-    """All cached rows of ``split`` as dicts of tensors (features stay fp16)."""
-    ds = load_shards(data_dir, split)
-    return [ds[i] for i in range(len(ds))]
+def load_rows(data_dirs: list[str | Path], split: str) -> datasets.Dataset:
+    """The cached rows of ``split`` in every folder of ``data_dirs``, memory-mapped: ``rows[i]`` is one row as a
+    dict of tensors (features stay fp16), read from disk when asked for, so the data may exceed the RAM."""
+    return datasets.concatenate_datasets([load_shards(d, split) for d in data_dirs]).with_format("torch")
+
+
+def token_columns(rows) -> tuple[list, list]:
+    """``(input_ids, prompt_len)`` of every row of a dataset or a list of row dicts, without reading features."""
+    if isinstance(rows, datasets.Dataset):
+        columns = rows.select_columns(["input_ids", "prompt_len"])
+        return columns["input_ids"], columns["prompt_len"]
+    return [r["input_ids"] for r in rows], [r["prompt_len"] for r in rows]
 
 
 def choose_draft_vocab(rows, size: int, vocab_size: int) -> torch.Tensor:
     """The ``size`` most frequent response tokens of ``rows`` (target ids ``[size]``, sorted)."""
-    responses = torch.cat([row["input_ids"][int(row["prompt_len"]) :].long() for row in rows])
+    responses = torch.cat([torch.as_tensor(x[int(p) :]).long() for x, p in zip(*token_columns(rows))])
     counts = torch.bincount(responses, minlength=vocab_size)
     return counts.argsort(descending=True, stable=True)[:size].sort().values
 
@@ -234,7 +256,7 @@ def evaluate(drafter, batches, weights, loss_weights) -> dict:
 
 
 def train(target, cfg: TrainConfig, progress: bool = True, command: str | None = None) -> Path:
-    """Train a drafter for ``target`` on ``cfg.data_dir``; checkpoints and resumes in ``cfg.out_dir``.
+    """Train a drafter for ``target`` on the folders of ``cfg.data_dir``; checkpoints and resumes in ``cfg.out_dir``.
 
     Returns the folder of the final drafter (``out_dir/final``), loadable with
     ``DSparkDrafter.from_pretrained`` (safetensors shards of at most :data:`MAX_SHARD_SIZE`). A
@@ -252,7 +274,8 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
     """
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    accelerator = Accelerator(cpu=target.device.type == "cpu")  # the only process, or this one of `accelerate launch`
+    # the only process, or this one of `accelerate launch`
+    accelerator = Accelerator(cpu=target.device.type == "cpu", mixed_precision=cfg.mixed_precision)
     rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
     if cfg.sequences_per_step % world:
         raise ValueError(f"sequences_per_step ({cfg.sequences_per_step}) is the global batch of all {world} processes: "
@@ -282,10 +305,11 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
         generator.set_state(state["generator"])
         step, elapsed = state["step"], state["elapsed"]
     model, optimizer = accelerator.prepare(drafter, optimizer)  # model: `drafter` itself, or its DDP wrapper
-    batcher = FeatureBatcher(train_rows, drafter, cfg.block_size, generator)
-    val_batcher = FeatureBatcher(val_rows[: cfg.val_sequences], drafter, cfg.block_size, torch.Generator().manual_seed(1))
-    val_batches = [send_to_device(val_batcher.pack(val_batcher.rows[i : i + 8], cfg.anchors_per_sequence), device)
-                   for i in range(0, len(val_batcher.rows), 8)]
+    batcher = FeatureBatcher(train_rows, drafter, cfg.block_size, generator, cfg.labels)
+    val_batcher = FeatureBatcher(val_rows, drafter, cfg.block_size, torch.Generator().manual_seed(1), cfg.labels)
+    val = val_batcher.usable(cfg.val_sequences)
+    val_batches = [send_to_device(val_batcher.pack(val[i : i + 8], cfg.anchors_per_sequence), device)
+                   for i in range(0, len(val), 8)]
     weights = position_weights(cfg.block_size, cfg.decay)
     log = (out / "log.jsonl").open("a") if main else None
     if step == 0 and main:
