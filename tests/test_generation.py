@@ -680,6 +680,19 @@ def check_lookup_stats(drafter, out, prompt_len, max_new, gamma, mode):
     return sources
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_lookup_is_on_by_default_in_the_scheduled_modes(target, drafters, lookup_prompts, mode):
+    """Without ``dspark_lookup`` a calibrated drafter runs the hybrid in ``scheduler`` / ``async`` (the same rounds as
+    ``dspark_lookup=True``) and DSpark alone in ``fixed`` / ``threshold`` (as ``dspark_lookup=False``)."""
+    drafter, on = drafters["markov"], mode in ("scheduler", "async")
+    runs = {}
+    for setting in (None, on):
+        out = generate(target, lookup_prompts[0], drafter, mode, 4, max_new=LOOKUP_NEW, dspark_lookup=setting)
+        runs[setting] = out, [(r.lookup, r.drafted, r.scheduled, r.accepted) for r in drafter.last_stats.rounds]
+    assert torch.equal(runs[None][0], runs[on][0]) and runs[None][1] == runs[on][1]
+    assert any(lookup for lookup, *_ in runs[None][1]) == on  # lookup tokens drafted exactly when it is on
+
+
 @pytest.mark.parametrize("gamma", GAMMAS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("head", HEADS)

@@ -123,17 +123,23 @@ def test_drafting_state_plans_from_the_text_and_learns():
 def test_lookup_enabled_validates():
     target = cycle_target(1, 0.026)
     drafter = cycle_drafter(target, "markov")
-    assert lookup_enabled(False, drafter, 4) is False
-    with pytest.raises(ValueError, match="True or False"):
-        lookup_enabled("yes", drafter, 4)
+    assert lookup_enabled(False, drafter, 4, "async") is False
+    with pytest.raises(ValueError, match="None \\(automatic\\), True or False"):
+        lookup_enabled("yes", drafter, 4, "async")
     with pytest.raises(ValueError, match="dspark calibrate"):
-        lookup_enabled(True, drafter, 4)  # no calibration
+        lookup_enabled(True, drafter, 4, "async")  # no calibration
+    assert lookup_enabled(None, drafter, 4, "async") is False  # automatic: off without a calibration
     drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * 3)
     with pytest.raises(ValueError, match="γ = 4"):
-        lookup_enabled(True, drafter, 4)
-    assert lookup_enabled(True, drafter, 3) is True
+        lookup_enabled(True, drafter, 4, "async")
+    assert lookup_enabled(True, drafter, 3, "fixed") is True
     with pytest.raises(ValueError, match="confidence head"):
-        lookup_enabled(True, cycle_drafter(target, "markov", confidence_head=False), 3)
+        lookup_enabled(True, cycle_drafter(target, "markov", confidence_head=False), 3, "async")
+    # automatic (the default): on in the scheduled modes of a drafter calibrated for γ, off in the others
+    assert [lookup_enabled(None, drafter, 3, m) for m in ("fixed", "threshold", "scheduler", "async")] == \
+        [False, False, True, True]
+    assert lookup_enabled(None, drafter, 4, "async") is False  # γ beyond the calibration
+    assert lookup_enabled(None, cycle_drafter(target, "markov", confidence_head=False), 3, "async") is False
 
 
 # ---------------------------------------------------------------------------- proposals

@@ -133,8 +133,8 @@ def plan_methods(drafters: dict, adapters: dict, settings: BenchSettings) -> lis
     for name, drafter in drafters.items():
         for mode in modes_of(drafter):
             if mode != "threshold":
-                methods.append(Method(f"{name}:{mode}", name,
-                                      {"dspark_verification": mode, "dspark_block_size": settings.gamma}))
+                methods.append(Method(f"{name}:{mode}", name, {  # DSpark alone: lookup pinned off
+                    "dspark_verification": mode, "dspark_block_size": settings.gamma, "dspark_lookup": False}))
         mode = lookup_mode_of(drafter, settings.gamma)
         if mode is not None:
             methods.append(Method(f"{name}:{mode}+lookup", name, {
@@ -149,7 +149,7 @@ def threshold_methods(thresholds: dict, settings: BenchSettings) -> list[Method]
     sweep) has nothing to run: both are left out.
     """
     return [Method(f"{name}:threshold", name, {"dspark_verification": "threshold", "dspark_block_size": settings.gamma,
-                                               "dspark_threshold": t})
+                                               "dspark_threshold": t, "dspark_lookup": False})
             for name, t in thresholds.items() if t]
 
 

@@ -72,7 +72,8 @@ def sampled_rounds_pass(target, drafters, suites, settings: BenchSettings, log=_
         for index, (prompt_id, ids) in enumerate(prompts):
             for name, drafter in drafters.items():
                 run = timed_generate(target, ids, settings.max_new_tokens, settings.sampling_temperature, drafter,
-                                     seed=index, dspark_verification="fixed", dspark_block_size=settings.gamma)
+                                     seed=index, dspark_verification="fixed", dspark_block_size=settings.gamma,
+                                     dspark_lookup=False)
                 out[name][suite].append(run.stats)
                 log(f"[rounds] {suite} {index + 1}/{len(prompts)} {name} t1: τ={run.stats.tau:.2f} "
                     f"({len(run.tokens)} tok, {run.seconds:.1f} s)")

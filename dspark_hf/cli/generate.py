@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -18,7 +19,7 @@ def run(args):
     target, tokenizer, drafter = load_models(args)
     prompt_ids = chat_ids(tokenizer, args.prompt)
     check_prompt_fits(len(prompt_ids), args.max_new_tokens, target)
-    settings = {"dspark_verification": args.verify, "dspark_block_size": args.gamma, "dspark_lookup": args.lookup or None}
+    settings = {"dspark_verification": args.verify, "dspark_block_size": args.gamma, "dspark_lookup": args.lookup}
     settings = {k: v for k, v in settings.items() if v is not None}
     streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     try:  # DSpark's per-call checks (γ beyond the calibration, a mode the drafter lacks) raise before any compute
@@ -62,8 +63,9 @@ def add_parser(sub):
     p.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy; > 0 samples at that temperature")
     p.add_argument("--gamma", type=_int_in(1, MAX_BLOCK_SIZE), default=None, help=GAMMA_HELP)
     p.add_argument("--verify", choices=VERIFICATION_MODES, default=None, help="verification mode (default: the drafter's config.verification)")
-    p.add_argument("--lookup", action="store_true",
-                   help="also draft n-gram continuations from the prompt and the text (dspark_lookup=True)")
+    p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
+                   help="draft n-gram continuations from the prompt and the text too (dspark_lookup; default: on in the "
+                        "scheduler and async modes of a calibrated drafter)")
     p.add_argument("--compare", action="store_true", help="also run plain generate and report the speedup")
     p.add_argument("--json", action="store_true")
     return p

@@ -10,9 +10,10 @@ Per-call settings (keyword arguments of ``generate``):
   global search without early stop, on confidences that no draft of the block depends on), ``"fixed"`` (verify all γ, the paper's
   Table 1 protocol) or ``"threshold"`` (verify while c_k >= threshold);
 * ``dspark_threshold``: the threshold of ``"threshold"`` mode (default 0.4);
-* ``dspark_lookup``: ``True`` to also look up n-gram continuations in the prompt and the generated text and
-  propose, each round, a lookup continuation, the DSpark block or a lookup prefix continued by DSpark, by
-  expected throughput (:mod:`dspark_hf.decoding.lookup`; default ``False``).
+* ``dspark_lookup``: also look up n-gram continuations in the prompt and the generated text and propose, each
+  round, a lookup continuation, the DSpark block or a lookup prefix continued by DSpark, by expected throughput
+  (:mod:`dspark_hf.decoding.lookup`). Default ``None``: on in the scheduled modes when the drafter is calibrated
+  for γ, off otherwise; ``True`` insists (or raises), ``False`` turns it off.
 
 The defaults come from the drafter's config (``block_size``, ``verification``, ``confidence_threshold``).
 transformers' ``num_assistant_tokens`` is honoured as γ (the same meaning); the other assistant options
@@ -77,7 +78,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.mode = _setting(generation_config, "dspark_verification", cfg.verification)
         self.threshold = float(_setting(generation_config, "dspark_threshold", cfg.confidence_threshold))
         self._check_mode()
-        use_lookup = lookup_enabled(_setting(generation_config, "dspark_lookup", False), drafter, self.block_size)
+        use_lookup = lookup_enabled(_setting(generation_config, "dspark_lookup", None), drafter, self.block_size, self.mode)
         stale = drafter.sps_curve is None or drafter.sps_curve.max_tokens <= self.block_size
         if (POLICIES[self.mode].needs_calibration or use_lookup) and stale:
             drafter.set_sps_curve(load_or_profile_sps(target, max_tokens=max(cfg.block_size, self.block_size) + 1))

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..modeling.configuration_dspark import SCHEDULED_MODES
 from .scheduler import expected_throughputs
 
 __all__ = ["LookupAcceptance", "LookupDrafting", "LookupMatch", "RoundPlan", "find_continuation",
@@ -202,22 +203,31 @@ def one_hot_logits(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return F.one_hot(tokens, vocab_size).float().log()
 
 
-def lookup_enabled(setting, drafter, block_size: int) -> bool:
-    """Validate the ``dspark_lookup`` generate setting; returns it.
+def lookup_enabled(setting, drafter, block_size: int, mode: str) -> bool:
+    """Resolve the ``dspark_lookup`` generate setting for a drafter, γ and verification mode.
 
     The proposal choice compares Θ of lookup and DSpark drafts, and DSpark's survival estimate is the calibrated
     confidence of the last drafted block, so the drafter needs a confidence head and a calibration covering γ.
 
+    Args:
+        setting: ``None`` (the default): on with a scheduled ``mode`` (``scheduler``, ``async``: blocks already sized
+            by Θ) and calibrated confidences for γ, off otherwise (``fixed`` and ``threshold`` keep the blocks they
+            promise). ``True``: on, or an error; ``False``: off. Default on because the bench measured the hybrid at
+            least as fast as the better of prompt lookup and DSpark alone on every suite (issue #14).
+
     Raises:
-        ValueError: ``setting`` is not a bool, or it is ``True`` and the drafter lacks calibrated confidences
-            (the message names the fix).
+        ValueError: ``setting`` is not ``None`` or a bool, or it is ``True`` and the drafter lacks calibrated
+            confidences (the message names the fix).
     """
-    if not isinstance(setting, bool):
-        raise ValueError(f"dspark_lookup must be True or False, got {setting!r}")
+    if setting is not None and not isinstance(setting, bool):
+        raise ValueError(f"dspark_lookup must be None (automatic), True or False, got {setting!r}")
+    calibration = drafter.calibration
+    if setting is None:
+        calibrated = drafter.confidence is not None and calibration is not None and len(calibration.temperatures) >= block_size
+        return mode in SCHEDULED_MODES and calibrated
     fix = "run `dspark calibrate`, or pass dspark_lookup=False"
     if setting and drafter.confidence is None:
         raise ValueError(f"dspark_lookup=True needs the drafter's confidence head to compare proposals by Θ; {fix}.")
-    calibration = drafter.calibration
     if setting and (calibration is None or len(calibration.temperatures) < block_size):
         raise ValueError(f"dspark_lookup=True needs calibrated confidences for γ = {block_size} positions; {fix}.")
     return setting

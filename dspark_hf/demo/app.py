@@ -17,6 +17,7 @@ import time
 
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
+from ..decoding.lookup import lookup_enabled
 from ..decoding.targets import chat_ids
 from ..decoding.verification import runnable_modes, unmet_need
 from ..modeling.configuration_dspark import MAX_BLOCK_SIZE, VERIFICATION_MODES
@@ -53,10 +54,8 @@ def check_mode(drafter, mode: str) -> str | None:
 def check_lookup(drafter, lookup: bool, gamma: int) -> str | None:
     """Why ``dspark_lookup`` cannot run with this drafter and γ (the message of :func:`~dspark_hf.lookup.lookup_enabled`),
     or ``None``."""
-    from ..decoding.lookup import lookup_enabled
-
     try:
-        lookup_enabled(bool(lookup), drafter, gamma)
+        lookup_enabled(bool(lookup), drafter, gamma, "async")  # the mode does not matter when asked for by name
     except ValueError as err:
         return str(err)
     return None
@@ -223,7 +222,8 @@ def build_app(target, tokenizer, drafter, *, title: str = "DSpark speculative de
                 side = gr.Checkbox(value=False, label="side by side: also run plain generate (speedup)",
                                    elem_id="dspark-side")
                 ghosts = gr.Checkbox(value=True, label="show rejected and unverified drafts", elem_id="dspark-ghosts")
-                lookup = gr.Checkbox(value=False, label="prompt lookup (dspark_lookup): n-gram drafts from the text",
+                lookup = gr.Checkbox(value=lookup_enabled(None, drafter, drafter.config.block_size, mode0),
+                                     label="prompt lookup (dspark_lookup): n-gram drafts from the text",
                                      elem_id="dspark-lookup")
                 gr.Examples([["Write a haiku about the sea."], ["What is 17 * 23? Think step by step."],
                              ["Write a Python function that reverses a string."]], inputs=[prompt])

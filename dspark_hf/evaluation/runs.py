@@ -59,7 +59,7 @@ def collect_rounds(target, drafter, prompts: list[list[int]], max_new_tokens: in
     confs, accepted, runs = [], [], []
     for prompt in tqdm(prompts, desc="speculative rounds", disable=not progress):
         run = timed_generate(target, prompt, max_new_tokens, temperature, drafter,
-                             dspark_verification="fixed", dspark_block_size=gamma)
+                             dspark_verification="fixed", dspark_block_size=gamma, dspark_lookup=False)
         c, a = run.stats.full_rounds()
         confs.append(c)
         accepted.append(a)
