@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import platform
 import sys
 from datetime import datetime, timezone
-from pathlib import Path
-
-import torch
 
 from ..defaults import resolve_checkout_path
 
@@ -76,26 +71,20 @@ def load_drafters(spec: dict[str, str], target, gamma: int, log=_log_default) ->
 
 
 def machine_info(command: str) -> dict:
-    """CPU model, cores, threads, versions, date and the exact command line."""
-    import transformers
+    """``benchmarks.json``'s ``machine``: :func:`~dspark_hf.decoding.machine.describe_machine` (CPU model, cores,
+    torch threads, CUDA device, versions, platform), the UTC date and the exact command line."""
+    from ..decoding.machine import describe_machine
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    m = describe_machine()
     return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
+        "cpu": m.cpu,
+        "cores": m.cores,
+        "torch_threads": m.torch_threads,
+        "cuda": m.cuda,
+        "torch": m.torch,
+        "transformers": m.transformers,
+        "python": m.python,
+        "platform": m.platform,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command,
     }
