@@ -314,16 +314,16 @@ def test_one_machine_description_for_the_sps_key_the_bench_and_info(capsys):
     """The SPS curve's device name, ``benchmarks.json``'s ``machine`` and ``dspark info`` read one description."""
     import platform
 
-    from dspark_hf.bench.loading import machine_info
     from dspark_hf.cli import info
     from dspark_hf.decoding.machine import describe_machine
+    from dspark_hf.evaluation.bench_result import MachineRecord
 
     m = describe_machine()
     assert profiling.device_name(torch.device("cpu")) == (  # unchanged format: cached curves keep matching
         f"{platform.processor() or platform.machine() or 'cpu'} ({m.cores} cores, {torch.get_num_threads()} torch threads)")
-    record = machine_info("dspark bench")
+    record = MachineRecord.current("dspark bench", "stock").to_json()
     assert list(record) == ["cpu", "cores", "torch_threads", "cuda", "torch", "transformers", "python", "platform",
-                            "date", "command"]
+                            "date", "command", "linear_kernels"]
     assert {k: record[k] for k in list(record)[:8]} == {k: getattr(m, k) for k in list(record)[:8]}
     info.run(type("Args", (), {"json": True})())
     shown = json.loads(capsys.readouterr().out)

@@ -1,9 +1,8 @@
-"""Loading what ``dspark bench`` compares: the drafters named by ``--drafters`` and a description of the machine."""
+"""Loading what ``dspark bench`` compares: the drafters named by ``--drafters``."""
 
 from __future__ import annotations
 
 import sys
-from datetime import datetime, timezone
 
 from ..defaults import resolve_checkout_path
 
@@ -68,23 +67,3 @@ def load_drafters(spec: dict[str, str], target, gamma: int, log=_log_default) ->
             notes.append(f"drafter {name!r} was trained with block_size {drafter.config.block_size}; benched at γ = {gamma}.")
         drafters[name] = drafter
     return drafters, notes
-
-
-def machine_info(command: str) -> dict:
-    """``benchmarks.json``'s ``machine``: :func:`~dspark_hf.decoding.machine.describe_machine` (CPU model, cores,
-    torch threads, CUDA device, versions, platform), the UTC date and the exact command line."""
-    from ..decoding.machine import describe_machine
-
-    m = describe_machine()
-    return {
-        "cpu": m.cpu,
-        "cores": m.cores,
-        "torch_threads": m.torch_threads,
-        "cuda": m.cuda,
-        "torch": m.torch,
-        "transformers": m.transformers,
-        "python": m.python,
-        "platform": m.platform,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": command,
-    }
