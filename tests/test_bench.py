@@ -19,6 +19,7 @@ from dspark_hf.bench import runner as bench
 from dspark_hf.bench import suites as suites_mod
 from dspark_hf.cli import bench as bench_cli
 from dspark_hf.decoding.stats import GenerationStats, RoundStats
+from dspark_hf.evaluation.bench_result import BenchResult
 from dspark_hf.training.data import is_math_problem
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -180,53 +181,58 @@ def test_runner_end_to_end(tmp_path):
     sps = tiny_sps_curve(CPU_MS[:8])  # the CPU-like cost of verify steps of 1..8 tokens
     result, raw = bench.run_bench(target, drafters, suites, settings, sps=sps, command="pytest", log=lambda *a: None)
 
-    for key in ("machine", "settings", "suites", "drafters", "tau", "tau_ratio_dspark_over_dflash", "tau_ratios",
-                "conditional_acceptance", "confidence", "wall_clock", "builtin_dflash", "sps", "round_cost", "notes"):
-        assert key in result, key
-    taus = result["tau"]["greedy"]["dspark"]
+    assert isinstance(result, BenchResult) and result.machine.command == "pytest"
+    assert list(result.to_json()) == ["schema_version", "machine", "settings", "suites", "drafters",
+                                      "tau_ratio_dspark_over_dflash", "tau_ratios", "tau", "conditional_acceptance",
+                                      "confidence", "wall_clock", "builtin_dflash", "sps", "round_cost", "notes",
+                                      "runtime_s"]  # benchmarks.json's keys; "plots" once written
+    assert result.settings.gamma == 3 and result.settings.math_filter.max_chars > 0
+    taus = result.tau["greedy"]["dspark"]
     assert taus["macro"] == pytest.approx((taus["a"] + taus["b"]) / 2)
-    assert result["tau_ratio_dspark_over_dflash"] == pytest.approx(taus["macro"] / result["tau"]["greedy"]["dflash"]["macro"])
-    assert set(result["tau_ratios"]) == {"greedy", "t1"}
-    assert len(result["conditional_acceptance"]["t1"]["a"]["dflash"]) == 3
-    assert set(result["confidence"]) == {"dspark", "dspark-rnn"}  # the parallel drafter has no confidence head
-    assert len(result["confidence"]["dspark"]["suites"]["all"]["threshold_sweep"]) == 10
-    wall = result["wall_clock"]
-    assert wall["methods"][:3] == ["plain", "prompt-lookup", "dflash:builtin-dflash"]
-    assert {"dspark:fixed", "dspark:scheduler", "dspark:async", "dspark-rnn:async", "dflash:fixed"} <= set(wall["methods"])
+    assert result.tau_ratio_dspark_over_dflash == pytest.approx(taus["macro"] / result.tau["greedy"]["dflash"]["macro"])
+    assert set(result.tau_ratios) == {"greedy", "t1"}
+    assert len(result.conditional_acceptance["t1"]["a"]["dflash"]) == 3
+    assert set(result.confidence) == {"dspark", "dspark-rnn"}  # the parallel drafter has no confidence head
+    assert len(result.confidence["dspark"].suites["all"].threshold_sweep) == 10
+    wall = result.wall_clock
+    assert wall.methods[:3] == ["plain", "prompt-lookup", "dflash:builtin-dflash"]
+    assert {"dspark:fixed", "dspark:scheduler", "dspark:async", "dspark-rnn:async", "dflash:fixed"} <= set(wall.methods)
     # the hybrid with prompt lookup, for drafters with calibrated confidences (config mode "scheduler")
-    assert {m for m in wall["methods"] if m.endswith("+lookup")} == {"dspark:scheduler+lookup",
-                                                                     "dspark-rnn:scheduler+lookup"}
-    hybrid = wall["suites"]["b"]["dspark:scheduler+lookup"]
-    n_tokens = sum(r["new_tokens"] for r in hybrid["per_prompt"])
-    assert hybrid["token_sources"]["target"] == sum(r["rounds"] for r in hybrid["per_prompt"])
-    assert sum(hybrid["token_sources"].values()) == n_tokens - len(hybrid["per_prompt"])  # all but the prefill's
-    assert hybrid["token_sources"]["lookup"] > 0  # lookup drafts were accepted
-    assert wall["suites"]["b"]["dspark:scheduler"]["token_sources"]["lookup"] == 0
-    assert wall["suites"]["b"]["plain"]["token_sources"] is None
-    best = result["confidence"]["dspark"]["best_threshold"]
+    assert {m for m in wall.methods if m.endswith("+lookup")} == {"dspark:scheduler+lookup",
+                                                                  "dspark-rnn:scheduler+lookup"}
+    hybrid = wall.suites["b"]["dspark:scheduler+lookup"]
+    n_tokens = sum(r.new_tokens for r in hybrid.per_prompt)
+    assert hybrid.token_sources["target"] == sum(r.rounds for r in hybrid.per_prompt)
+    assert sum(hybrid.token_sources.values()) == n_tokens - len(hybrid.per_prompt)  # all but the prefill's
+    assert hybrid.token_sources["lookup"] > 0  # lookup drafts were accepted
+    assert wall.suites["b"]["dspark:scheduler"].token_sources["lookup"] == 0
+    assert wall.suites["b"]["plain"].token_sources is None
+    best = result.confidence["dspark"].best_threshold
     assert best, "this smoke run must cover pass 3 (the threshold mode at t > 0)"
-    assert wall["methods"].index("dspark:threshold") == wall["methods"].index("dspark:fixed") + 1
-    assert list(wall["suites"]["a"]) == wall["methods"]
+    assert wall.methods.index("dspark:threshold") == wall.methods.index("dspark:fixed") + 1
+    assert list(wall.suites["a"]) == wall.methods
     # greedy τ comes from pass 2's timed fixed runs, which the wall-clock table reports too, pooled the same way
     for suite in suites:
-        assert wall["suites"][suite]["dspark:fixed"]["tau"] == pytest.approx(taus[suite])
-    fixed_rounds = [r["rounds"] for p in ("a", "b") for r in wall["suites"][p]["dspark:fixed"]["per_prompt"]]
+        assert wall.suites[suite]["dspark:fixed"].tau == pytest.approx(taus[suite])
+    fixed_rounds = [r.rounds for p in ("a", "b") for r in wall.suites[p]["dspark:fixed"].per_prompt]
     assert sum(len(st.rounds) for st in sum(raw["stats"]["greedy"]["dspark"].values(), [])) == sum(fixed_rounds)
-    assert wall["mismatches_total"] == 0, wall["mismatches"]  # greedy speculative output == plain generate
-    assert result["builtin_dflash"]["status"] == "adapted"
+    assert wall.mismatches_total == 0, wall.mismatches  # greedy speculative output == plain generate
+    assert result.builtin_dflash.status == "adapted"
     # full draft vocabulary: the built-in path drafts what the drafter's own fixed path drafts
     # (the built-in path counts drafted blocks; DSpark's stats also count a last verification without a draft)
     for suite in suites:
-        builtin = wall["suites"][suite]["dflash:builtin-dflash"]["per_prompt"]
+        builtin = wall.suites[suite]["dflash:builtin-dflash"].per_prompt
         own = raw["stats"]["greedy"]["dflash"][suite]  # the dflash:fixed runs' statistics, prompt by prompt
-        assert [r["rounds"] for r in builtin] == [sum(r.drafted > 0 for r in st.rounds) for st in own]
-    assert result["round_cost"]["dspark:fixed"]["median_draft_ms"] > 0
+        assert [r.rounds for r in builtin] == [sum(r.drafted > 0 for r in st.rounds) for st in own]
+    assert result.round_cost["dspark:fixed"].median_draft_ms > 0
 
     path = report.write_report(result, raw, tmp_path, drafters)
     loaded = json.loads(path.read_text())
-    assert loaded["wall_clock"]["mismatches_total"] == 0
+    assert loaded["wall_clock"]["mismatches_total"] == 0 and loaded["plots"] == result.plots
+    assert BenchResult.load(path) == result and BenchResult.load(path).dumps() == path.read_text()
+    assert (tmp_path / "benchmarks.md").read_text() == report.markdown_report(loaded) + "\n"
     assert (tmp_path / "benchmarks.md").read_text().startswith("# dspark bench")
     for name in ("conditional_acceptance_a.png", "conditional_acceptance_b.png", "threshold_sweep_dspark.png",
                  "sps_curve.png", "wall_clock_speedup.png"):
         assert (tmp_path / name).stat().st_size > 0, name
-    assert all(not (isinstance(v, float) and math.isnan(v)) for v in result["tau"]["t1"]["dflash"].values())
+    assert all(not (isinstance(v, float) and math.isnan(v)) for v in result.tau["t1"]["dflash"].values())

@@ -308,3 +308,24 @@ def test_cli_profile_writes_the_engine_table(tmp_path, monkeypatch):
     monkeypatch.setattr(profiling, "load_or_profile_sps", lambda target, **kw: curve)
     cli.main(["profile", "--engine-table", "sglang", "--out", str(tmp_path / "sps.json")])
     assert json.loads((tmp_path / "sps.json").read_text()) == curve.engine_table("sglang")
+
+
+def test_one_machine_description_for_the_sps_key_the_bench_and_info(capsys):
+    """The SPS curve's device name, ``benchmarks.json``'s ``machine`` and ``dspark info`` read one description."""
+    import platform
+
+    from dspark_hf.cli import info
+    from dspark_hf.decoding.machine import describe_machine
+    from dspark_hf.evaluation.bench_result import MachineRecord
+
+    m = describe_machine()
+    assert profiling.device_name(torch.device("cpu")) == (  # unchanged format: cached curves keep matching
+        f"{platform.processor() or platform.machine() or 'cpu'} ({m.cores} cores, {torch.get_num_threads()} torch threads)")
+    record = MachineRecord.current("dspark bench", "stock").to_json()
+    assert list(record) == ["cpu", "cores", "torch_threads", "cuda", "torch", "transformers", "python", "platform",
+                            "date", "command", "linear_kernels"]
+    assert {k: record[k] for k in list(record)[:8]} == {k: getattr(m, k) for k in list(record)[:8]}
+    info.run(type("Args", (), {"json": True})())
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown["torch"], shown["transformers"], shown["python"], shown["device"]) == (
+        m.torch, m.transformers, m.python, "cuda" if torch.cuda.is_available() else "cpu")

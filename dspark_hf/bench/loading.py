@@ -1,14 +1,8 @@
-"""Loading what ``dspark bench`` compares: the drafters named by ``--drafters`` and a description of the machine."""
+"""Loading what ``dspark bench`` compares: the drafters named by ``--drafters``."""
 
 from __future__ import annotations
 
-import os
-import platform
 import sys
-from datetime import datetime, timezone
-from pathlib import Path
-
-import torch
 
 from ..defaults import resolve_checkout_path
 
@@ -73,29 +67,3 @@ def load_drafters(spec: dict[str, str], target, gamma: int, log=_log_default) ->
             notes.append(f"drafter {name!r} was trained with block_size {drafter.config.block_size}; benched at γ = {gamma}.")
         drafters[name] = drafter
     return drafters, notes
-
-
-def machine_info(command: str) -> dict:
-    """CPU model, cores, threads, versions, date and the exact command line."""
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": command,
-    }

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from ..evaluation.bench_result import BenchResult, as_bench_result
 from ..evaluation.tables import markdown_table
 from .analysis import full_rounds
 
@@ -34,30 +33,31 @@ def _sources(counts: dict | None) -> str:
     return " / ".join(f"{100 * counts[k] / total:.0f}%" for k in ("lookup", "dspark", "target"))
 
 
-def markdown_report(result: dict) -> str:
-    """The tables of ``benchmarks.md``."""
-    m, s = result["machine"], result["settings"]
-    suites = list(result["suites"])
+def markdown_report(result: BenchResult | dict) -> str:
+    """The tables of ``benchmarks.md`` (a dict is read as ``benchmarks.json``, :meth:`BenchResult.from_json`)."""
+    result = as_bench_result(result)
+    m, s = result.machine, result.settings
+    suites = list(result.suites)
     out = [
         "# dspark bench",
         "",
-        f"`{m['command']}`  ",
-        f"{m['date']} · {m['cpu']} · {m['cores']} cores ({m['torch_threads']} torch threads) · torch {m['torch']} · "
-        f"transformers {m['transformers']} · linear kernels: {m.get('linear_kernels', 'stock')} · "
-        f"runtime {result['runtime_s'] / 60:.1f} min",
+        f"`{m.command}`  ",
+        f"{m.date} · {m.cpu} · {m.cores} cores ({m.torch_threads} torch threads) · torch {m.torch} · "
+        f"transformers {m.transformers} · linear kernels: {m.linear_kernels} · "
+        f"runtime {result.runtime_s / 60:.1f} min",
         "",
-        f"γ = {s['gamma']}, {s['max_new_tokens']} new tokens, up to {s['limit']} prompts per suite "
-        f"(≤ {s['max_prompt_tokens']} prompt tokens): "
-        + ", ".join(f"{n} {v['n_prompts']}" for n, v in result["suites"].items()) + ".",
+        f"γ = {s.gamma}, {s.max_new_tokens} new tokens, up to {s.limit} prompts per suite "
+        f"(≤ {s.max_prompt_tokens} prompt tokens): "
+        + ", ".join(f"{n} {v.n_prompts}" for n, v in result.suites.items()) + ".",
         "",
     ]
-    if result["notes"]:
-        out += ["**Notes**", ""] + [f"- {n}" for n in result["notes"]] + [""]
+    if result.notes:
+        out += ["**Notes**", ""] + [f"- {n}" for n in result.notes] + [""]
     out += ["## τ (accepted length per round, bonus included; fixed-length verification)", ""]
-    for key, label in (("greedy", "greedy"), ("t1", f"T = {s['sampling_temperature']}")):
-        rows = [[name, *(row[x] for x in suites), row["macro"]] for name, row in result["tau"][key].items()]
+    for key, label in (("greedy", "greedy"), ("t1", f"T = {s.sampling_temperature}")):
+        rows = [[name, *(row[x] for x in suites), row["macro"]] for name, row in result.tau[key].items()]
         out += [f"**{label}**", "", _table(["drafter", *suites, "macro"], rows), ""]
-    ratios = result["tau_ratios"]
+    ratios = result.tau_ratios
     out += [f"macro τ(dspark) / macro τ(dflash): greedy {_fmt(ratios.get('greedy'), 3)}, "
             f"T = 1 {_fmt(ratios.get('t1'), 3)}", ""]
 
@@ -66,55 +66,55 @@ def markdown_report(result: dict) -> str:
             "round reached position k−1.", ""]
     for suite in suites:
         rows = [[f"{name} ({key})", *vals] for key in ("greedy", "t1")
-                for name, vals in result["conditional_acceptance"][key][suite].items()]
-        out += [f"**{suite}**", "", _table(["drafter", *(f"k={k}" for k in range(1, s["gamma"] + 1))], rows), ""]
+                for name, vals in result.conditional_acceptance[key][suite].items()]
+        out += [f"**{suite}**", "", _table(["drafter", *(f"k={k}" for k in range(1, s.gamma + 1))], rows), ""]
 
     out += ["## Confidence (greedy fixed rounds)", "",
             "ECE of the prefix survival probability a_k = c_1···c_k against 1[n ≥ k] over all rounds (every round "
             "has a label at every position; deep positions, with a_k and the survival rate near 0, have a small "
             "ECE); ROC-AUC of c_k on the rounds that reached k (n ≥ k−1), – where one class is absent.", ""]
-    for name, entry in result["confidence"].items():
-        cal = entry["suites"]["all"]["calibration"]
+    for name, entry in result.confidence.items():
+        cal = entry.suites["all"].calibration
         if cal is None:
             out += [f"**{name}**: no full rounds.", ""]
             continue
-        out += [f"**{name}** ({cal['rounds']} rounds, all suites): mean ECE of a_k {100 * cal['mean_ece_before']:.1f}% "
-                f"before STS → {100 * cal['mean_ece_after']:.1f}% after; best static threshold by modelled "
-                f"tokens/s (SPS curve + median draft cost): t = {_fmt(entry['best_threshold'], 1)}", ""]
-        rows = [[p["position"], p["survival_rate"], 100 * p["ece_before"], 100 * p["ece_after"], p["roc_auc"],
-                 p["n_conditional"]] for p in cal["positions"]]
+        out += [f"**{name}** ({cal.rounds} rounds, all suites): mean ECE of a_k {100 * cal.mean_ece_before:.1f}% "
+                f"before STS → {100 * cal.mean_ece_after:.1f}% after; best static threshold by modelled "
+                f"tokens/s (SPS curve + median draft cost): t = {_fmt(entry.best_threshold, 1)}", ""]
+        rows = [[p.position, p.survival_rate, 100 * p.ece_before, 100 * p.ece_after, p.roc_auc, p.n_conditional]
+                for p in cal.positions]
         out += [_table(["k", "survival", "ECE before %", "ECE after %", "ROC-AUC", "n (n ≥ k−1)"], rows), ""]
-        panels = [x for x in [*suites, "all"] if entry["suites"][x]["threshold_sweep"]]
+        panels = [x for x in [*suites, "all"] if entry.suites[x].threshold_sweep]
         if panels:
-            sweeps = [entry["suites"][x]["threshold_sweep"] for x in panels]
-            rows = [[_fmt(sweeps[0][i]["threshold"], 1),
-                     *(f"{_fmt(sw[i]['accepted_per_step'])} / {_fmt(sw[i]['rejected_per_step'])} / "
-                       f"{_fmt(100 * sw[i]['acceptance_rate'], 1)}%" for sw in sweeps),
-                     sweeps[-1][i].get("modelled_tokens_per_s")] for i in range(len(sweeps[0]))]
+            sweeps = [entry.suites[x].threshold_sweep for x in panels]
+            rows = [[_fmt(sweeps[0][i].threshold, 1),
+                     *(f"{_fmt(sw[i].accepted_per_step)} / {_fmt(sw[i].rejected_per_step)} / "
+                       f"{_fmt(100 * sw[i].acceptance_rate, 1)}%" for sw in sweeps),
+                     sweeps[-1][i].modelled_tokens_per_s] for i in range(len(sweeps[0]))]
             out += ["Static threshold sweep (accepted incl. bonus / rejected per step / acceptance rate):", "",
                     _table(["t", *panels, "modelled tok/s (all)"], rows), ""]
 
-    wall = result["wall_clock"]
+    wall = result.wall_clock
     out += ["## Wall clock (greedy; methods interleaved per prompt)", "",
-            f"Greedy outputs differing from plain `generate`: **{wall['mismatches_total']}**", ""]
-    for suite, per_method in wall["suites"].items():
-        rows = [[name, v["median_tokens_per_s"], v["median_speedup"], v["speedup_of_medians"], v["tau"],
-                 _sources(v.get("token_sources")), v["mismatches"]] for name, v in per_method.items()]
+            f"Greedy outputs differing from plain `generate`: **{wall.mismatches_total}**", ""]
+    for suite, per_method in wall.suites.items():
+        rows = [[name, v.median_tokens_per_s, v.median_speedup, v.speedup_of_medians, v.tau,
+                 _sources(v.token_sources), v.mismatches] for name, v in per_method.items()]
         out += [f"**{suite}**", "", _table(["method", "median tok/s", "median per-prompt speedup", "speedup of medians",
                                             "τ", "tokens from lookup / DSpark / target", "mismatches"], rows), ""]
-    b = result["builtin_dflash"]
-    out += [f"Built-in `speculation_type=\"dflash\"`: {b['status']}. {b['note']}", ""]
+    b = result.builtin_dflash
+    out += [f"Built-in `speculation_type=\"dflash\"`: {b.status}. {b.note}", ""]
 
     out += ["## Cost per round and SPS curve", ""]
-    rows = [[name, v["rounds"], v["median_draft_ms"], v["median_verify_ms"], v["mean_scheduled"]]
-            for name, v in result["round_cost"].items()]
+    rows = [[name, v.rounds, v.median_draft_ms, v.median_verify_ms, v.mean_scheduled]
+            for name, v in result.round_cost.items()]
     out += [_table(["method", "rounds", "median draft ms", "median verify ms", "mean ℓ"], rows), ""]
-    sps = result["sps"]
-    shown = [b for b in (1, 2, 4, 8, 16, 32) if b <= len(sps["ms_per_step"])]
-    out += [f"SPS curve ({sps['device_name']}, context {sps['context_len']}), ms per verification step:", "",
-            _table(["B", *map(str, shown)], [["ms", *(sps["ms_per_step"][b - 1] for b in shown)]]), ""]
-    if result.get("plots"):
-        out += ["## Plots", ""] + [f"![{p}]({p})" for p in result["plots"]] + [""]
+    sps = result.sps
+    shown = [b for b in (1, 2, 4, 8, 16, 32) if b <= len(sps.ms_per_step)]
+    out += [f"SPS curve ({sps.device_name}, context {sps.context_len}), ms per verification step:", "",
+            _table(["B", *map(str, shown)], [["ms", *(sps.ms_per_step[b - 1] for b in shown)]]), ""]
+    if result.plots:
+        out += ["## Plots", ""] + [f"![{p}]({p})" for p in result.plots] + [""]
     return "\n".join(out)
 
 
@@ -127,39 +127,47 @@ def _figure(ncols=1, nrows=1, width=4.0, height=3.2):
     return fig
 
 
-def write_plots(result: dict, raw: dict, out_dir: Path, drafters: dict) -> list[str]:
-    """Conditional acceptance per suite, threshold sweep per drafter, SPS curve, reliability, speedups."""
+def write_plots(result: BenchResult, raw: dict, out_dir: Path, drafters: dict) -> list[str]:
+    """Conditional acceptance per suite, threshold sweep per drafter, SPS curve, reliability, speedups.
+
+    Args:
+        result: the run's result. raw: the runner's raw records (``raw["stats"]`` for the reliability diagrams).
+        out_dir: where the PNGs go. drafters: ``{name: DSparkDrafter}`` (their calibration).
+
+    Returns:
+        The file names written, in order.
+    """
     from ..decoding.calibration import reliability_diagram
 
-    written, gamma = [], result["settings"]["gamma"]
+    written, gamma = [], result.settings.gamma
     positions = list(range(1, gamma + 1))
-    for suite in result["suites"]:  # paper Fig. 2
+    for suite in result.suites:  # paper Fig. 2
         fig = _figure()
         ax = fig.add_subplot()
-        for i, name in enumerate(result["drafters"]):
+        for i, name in enumerate(result.drafters):
             for key, style in (("t1", "-"), ("greedy", "--")):
-                vals = result["conditional_acceptance"][key][suite][name]
+                vals = result.conditional_acceptance[key][suite][name]
                 ys = [float("nan") if v is None else v for v in vals]
                 ax.plot(positions, ys, style, marker="o", markersize=3, color=f"C{i}", label=f"{name} ({key})")
         ax.set(title=f"{suite}: conditional acceptance", xlabel="draft position k", ylabel="P(n ≥ k | n ≥ k−1)",
                xticks=positions)
         ax.legend(fontsize="x-small")
         written.append(_save(fig, out_dir / f"conditional_acceptance_{suite}.png"))
-    for name, entry in result["confidence"].items():  # paper Fig. 5
-        panels = [s for s in [*result["suites"], "all"] if entry["suites"][s]["threshold_sweep"]]
+    for name, entry in result.confidence.items():  # paper Fig. 5
+        panels = [s for s in [*result.suites, "all"] if entry.suites[s].threshold_sweep]
         if not panels:
             continue
         fig = _figure(ncols=len(panels))
         for i, suite in enumerate(panels):
-            sweep = entry["suites"][suite]["threshold_sweep"]
-            ts = [r["threshold"] for r in sweep]
-            acc, rej = [r["accepted_per_step"] for r in sweep], [r["rejected_per_step"] for r in sweep]
+            sweep = entry.suites[suite].threshold_sweep
+            ts = [r.threshold for r in sweep]
+            acc, rej = [r.accepted_per_step for r in sweep], [r.rejected_per_step for r in sweep]
             ax = fig.add_subplot(1, len(panels), i + 1)
             ax.bar(ts, acc, width=0.08, color="C0", label="accepted tokens")
             ax.bar(ts, rej, width=0.08, bottom=acc, color="C3", hatch="//", alpha=0.6, label="rejected tokens")
             ax.set(title=f"{name}: {suite}", xlabel="confidence threshold", ylabel="avg. tokens per step")
             twin = ax.twinx()
-            twin.plot(ts, [100 * r["acceptance_rate"] for r in sweep], color="k", marker="o", markersize=3,
+            twin.plot(ts, [100 * r.acceptance_rate for r in sweep], color="k", marker="o", markersize=3,
                       label="acceptance rate")
             twin.set(ylim=(0, 105), ylabel="acceptance rate %")
             if i == 0:
@@ -172,16 +180,16 @@ def write_plots(result: dict, raw: dict, out_dir: Path, drafters: dict) -> list[
                                                    drafter.calibration, out_dir / f"reliability_{name}.png")))
     fig = _figure()
     ax = fig.add_subplot()
-    ms = result["sps"]["ms_per_step"]
+    ms = result.sps.ms_per_step
     ax.plot(range(1, len(ms) + 1), ms, marker="o", markersize=3)
     ax.set(title="target verification cost", xlabel="tokens verified B", ylabel="ms per step", ylim=(0, None))
     written.append(_save(fig, out_dir / "sps_curve.png"))
-    suites, methods = list(result["wall_clock"]["suites"]), result["wall_clock"]["methods"]
+    suites, methods = list(result.wall_clock.suites), result.wall_clock.methods
     fig = _figure(width=max(5.0, 0.6 * len(methods) * len(suites)))
     ax = fig.add_subplot()
     width = 0.8 / max(len(suites), 1)
     for i, suite in enumerate(suites):
-        vals = [result["wall_clock"]["suites"][suite][m]["median_speedup"] or 0 for m in methods]
+        vals = [result.wall_clock.suites[suite][m].median_speedup or 0 for m in methods]
         ax.bar([j + i * width for j in range(len(methods))], vals, width=width, label=suite)
     ax.axhline(1.0, color="grey", linewidth=1)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(methods))], methods, rotation=30, ha="right", fontsize="small")
@@ -197,23 +205,14 @@ def _save(fig, path: Path) -> str:
     return str(path)
 
 
-def write_report(result: dict, raw: dict, out_dir: str | os.PathLike, drafters: dict) -> Path:
-    """Write ``benchmarks.json``, ``benchmarks.md`` and the PNGs into ``out_dir``; returns the JSON path."""
+def write_report(result: BenchResult, raw: dict, out_dir: str | os.PathLike, drafters: dict) -> Path:
+    """Write ``benchmarks.json``, ``benchmarks.md`` and the PNGs into ``out_dir`` (``result.plots`` is set to
+    the PNGs' names); returns the JSON path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    result["plots"] = write_plots(result, raw, out, drafters)
+    result.plots = write_plots(result, raw, out, drafters)
     (out / "benchmarks.md").write_text(markdown_report(result) + "\n")
     path = out / "benchmarks.json"
-    path.write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
+    path.write_text(result.dumps())
     return path
 
-
-def _json_safe(value):
-    """NaN/inf -> None, recursively (the JSON must stay strict)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value

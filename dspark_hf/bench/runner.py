@@ -40,9 +40,25 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
+from ..evaluation.bench_result import (
+    SCHEMA_VERSION,
+    BenchResult,
+    BuiltinDFlash,
+    DrafterConfidence,
+    DrafterRecord,
+    MachineRecord,
+    MathFilter,
+    MethodSummary,
+    Mismatch,
+    RoundCost,
+    RunSettings,
+    SPSRecord,
+    SuiteRecord,
+    WallClock,
+)
 from ..metrics import conditional_acceptance, tau
 from .analysis import best_threshold, confidence_summary, first_divergence, full_rounds, median, threshold_sweep
-from .loading import _log_default, machine_info
+from .loading import _log_default
 from .methods import (
     Method,
     builtin_adapters,
@@ -51,10 +67,7 @@ from .methods import (
     plan_methods,
     threshold_methods,
 )
-from .report import _json_safe
 from .settings import BenchSettings
-
-SCHEMA_VERSION = 1
 
 
 def sampled_rounds_pass(target, drafters, suites, settings: BenchSettings, log=_log_default) -> dict:
@@ -278,10 +291,11 @@ def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps
             it is also the scheduler's curve for every drafter.
         notes: notes gathered while loading, carried into the result.
         builtin_dflash: also time the built-in DFlash path for parallel drafters.
-        command: the command line recorded in ``result["machine"]``.
+        command: the command line recorded in ``result.machine``.
 
     Returns:
-        ``(result, raw)``: the JSON-ready result and the raw records the plots need.
+        ``(result, raw)``: the :class:`~dspark_hf.evaluation.bench_result.BenchResult` (non-finite floats ``None``,
+        as ``benchmarks.json`` holds them) and the raw records the plots need.
     """
     from ..decoding.kernels import linear_kernels
     from ..decoding.profiling import load_or_profile_sps
@@ -326,30 +340,27 @@ def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps
         notes.append("Threshold-mode speedups are measured against a plain run interleaved with them in pass 3.")
     log(f"[bench] greedy mismatches against plain generate: {len(mismatches)}")
 
-    result = {
-        "schema_version": SCHEMA_VERSION,
-        "machine": {**machine_info(command), "linear_kernels": linear_kernels(target)},
-        "settings": {**asdict(settings), "thresholds": list(settings.thresholds),
-                     "math_filter": {"keywords_or_arithmetic": data.MATH_PATTERN.pattern, "excluded": data.NOT_MATH_PATTERN.pattern,
-                                     "max_chars": data.MATH_MAX_CHARS}},
-        "suites": {s: {"n_prompts": len(p), "ids": [i for i, _ in p], "prompt_tokens": [len(x) for _, x in p]}
-                   for s, p in suites.items()},
-        "drafters": {n: describe_drafter(d) for n, d in drafters.items()},
-        "tau_ratio_dspark_over_dflash": ratios.get("greedy"),
-        "tau_ratios": ratios,
-        "tau": taus,
-        "conditional_acceptance": cond,
-        "confidence": confidence,
-        "wall_clock": {"methods": [m.name for m in methods],
-                       "thresholds": {n: t for n, t in thresholds.items()},
-                       "suites": wall,
-                       "mismatches_total": len(mismatches),
-                       "mismatches": mismatches},
-        "builtin_dflash": builtin,
-        "sps": {"steps_per_s": sps.steps_per_s, "ms_per_step": [1e3 / s for s in sps.steps_per_s],
-                "device_name": sps.device_name, "context_len": sps.context_len, "target_name": sps.target_name},
-        "round_cost": costs,
-        "notes": notes,
-        "runtime_s": time.perf_counter() - start,
-    }
-    return _json_safe(result), {"stats": stats, "records": records}
+    result = BenchResult(
+        schema_version=SCHEMA_VERSION,
+        machine=MachineRecord.current(command, linear_kernels(target)),
+        settings=RunSettings(**{**asdict(settings), "thresholds": list(settings.thresholds)}, math_filter=MathFilter(
+            keywords_or_arithmetic=data.MATH_PATTERN.pattern, excluded=data.NOT_MATH_PATTERN.pattern,
+            max_chars=data.MATH_MAX_CHARS)),
+        suites={s: SuiteRecord(n_prompts=len(p), ids=[i for i, _ in p], prompt_tokens=[len(x) for _, x in p])
+                for s, p in suites.items()},
+        drafters={n: DrafterRecord(**describe_drafter(d)) for n, d in drafters.items()},
+        tau_ratio_dspark_over_dflash=ratios.get("greedy"),
+        tau_ratios=ratios,
+        tau=taus,
+        conditional_acceptance=cond,
+        confidence={n: DrafterConfidence.from_json(entry) for n, entry in confidence.items()},
+        wall_clock=WallClock(methods=[m.name for m in methods], thresholds=dict(thresholds),
+                             suites={s: {m: MethodSummary.from_json(v) for m, v in per.items()} for s, per in wall.items()},
+                             mismatches_total=len(mismatches), mismatches=[Mismatch(**m) for m in mismatches]),
+        builtin_dflash=BuiltinDFlash(**builtin),
+        sps=SPSRecord.from_curve(sps),
+        round_cost={m: RoundCost(**c) for m, c in costs.items()},
+        notes=notes,
+        runtime_s=time.perf_counter() - start,
+    )
+    return result.strict(), {"stats": stats, "records": records}

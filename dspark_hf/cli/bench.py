@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import time
@@ -69,12 +68,12 @@ def run(args):
         sys.exit(f"Suites without prompts: {empty}")
     result, raw = run_bench(target, drafters, suites, settings, notes=notes, builtin_dflash=not args.no_builtin_dflash,
                             command=shlex.join(["dspark", *sys.argv[1:]]))
-    result["runtime_s"] = time.perf_counter() - started  # loading included
+    result.runtime_s = time.perf_counter() - started  # loading included
     if args.out:
         path = write_report(result, raw, args.out, drafters)
-        print(f"wrote {path}, {Path(args.out) / 'benchmarks.md'} and {len(result['plots'])} plots", file=sys.stderr)
+        print(f"wrote {path}, {Path(args.out) / 'benchmarks.md'} and {len(result.plots)} plots", file=sys.stderr)
     if args.json:
-        print(json.dumps(result, indent=2, allow_nan=False))
+        print(result.dumps(), end="")
     elif not args.out:
         print(markdown_report(result))
 

@@ -3,28 +3,26 @@
 from __future__ import annotations
 
 import json
-import platform
 
 from ..defaults import default_drafter
 from .common import add_command
 
 
 def run(args):
-    import torch
-    import transformers
-
+    from ..decoding.machine import describe_machine
     from ..defaults import DEFAULT_TARGET_NAME, __version__, cache_root, default_target_dir, default_target_gguf
 
     try:
         gguf = str(default_target_gguf())
     except (ModuleNotFoundError, FileNotFoundError) as err:
         gguf = f"missing ({err})"
+    machine = describe_machine()
     info = {
         "dspark_hf": __version__,
-        "transformers": transformers.__version__,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "transformers": machine.transformers,
+        "torch": machine.torch,
+        "python": machine.python,
+        "device": machine.device,
         "default_target": DEFAULT_TARGET_NAME,
         "default_target_gguf": gguf,
         "default_target_cache": str(default_target_dir()),

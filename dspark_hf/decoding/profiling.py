@@ -37,7 +37,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import re
 import statistics
 import time
@@ -52,6 +51,7 @@ from transformers.cache_utils import DynamicLayer
 
 from ..defaults import cache_root
 from .kernels import linear_kernels
+from .machine import Machine, describe_machine
 
 __all__ = [
     "DEFAULT_CONTEXTS",
@@ -79,29 +79,32 @@ from .sps import (  # noqa: F401 (the curve and its constants, re-exported)
 )
 
 
-def device_name(device: torch.device) -> str:
-    """Human-readable name of the device timings depend on.
+def device_name(device: torch.device, machine: Machine | None = None) -> str:
+    """Human-readable name of the device timings depend on (part of the SPS cache key: keep it stable).
+
+    Args:
+        device: the target's device.
+        machine: the :class:`~dspark_hf.decoding.machine.Machine` to describe (default: this one, read now).
 
     Returns:
-        CUDA: ``torch.cuda.get_device_name``; otherwise the CPU's name or machine type, core count and
-        torch's intra-op thread count (which changes CPU timings as much as the chip does).
+        CUDA: ``torch.cuda.get_device_name``; otherwise the machine type, core count and torch's intra-op thread
+        count (which changes CPU timings as much as the chip does): :attr:`Machine.cpu_label`.
     """
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type != "cpu":
         return device.type
-    cpu = platform.processor() or platform.machine() or "cpu"
-    return f"{cpu} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+    return (machine or describe_machine()).cpu_label
 
 
 def _describe(target: torch.nn.Module) -> dict:
     """Metadata of ``target`` that identifies its SPS curve (everything but the measurement)."""
-    param = next(target.parameters())
+    param, machine = next(target.parameters()), describe_machine()
     return {
         "target_name": str(getattr(target.config, "_name_or_path", "") or ""),
-        "device_name": device_name(param.device),
+        "device_name": device_name(param.device, machine),
         "dtype": str(param.dtype).removeprefix("torch."),
-        "torch_version": torch.__version__,
+        "torch_version": machine.torch,
         "n_params": sum(p.numel() for p in target.parameters()),
         "linear_kernels": linear_kernels(target),
     }

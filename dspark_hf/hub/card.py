@@ -21,6 +21,7 @@ import json
 import warnings
 from pathlib import Path
 
+from ..evaluation.bench_result import BenchResult
 from ..modeling.modeling_dspark import CALIBRATION_FILE
 from .sections import (
     _REPO_LINE,
@@ -39,7 +40,7 @@ from .sections import (
 )
 
 
-def build_card(config, repo: str, bench: dict | None = None, training: dict | None = None,
+def build_card(config, repo: str, bench: BenchResult | dict | None = None, training: dict | None = None,
                calibration: dict | None = None, n_params: int | None = None, has_diagram: bool = False,
                compare: dict | None = None):
     """The model card of a drafter, from its records only.
@@ -47,7 +48,8 @@ def build_card(config, repo: str, bench: dict | None = None, training: dict | No
     Args:
         config: the drafter's :class:`~dspark_hf.DSparkConfig`; ``target_name_or_path`` is the base model.
         repo: what the usage snippets load (the Hub id, or the folder before one is chosen).
-        bench: benchmark results (see :func:`speed_section`), or ``None``.
+        bench: benchmark results (a ``dspark bench`` :class:`BenchResult` or its JSON as a dict, or any dict of
+            metrics: see :func:`speed_section`), or ``None``.
         compare: ``dspark generate --compare`` medians (see :func:`compare_block`), or ``None``.
         training: the drafter's ``training.json``, or ``None``.
         calibration: the drafter's ``calibration.json``, or ``None``.
@@ -193,14 +195,14 @@ def _check_modeling_code(model_dir: Path, config_dict: dict) -> None:
                           f"get the folder's copy. Run `dspark card {model_dir}` to refresh it.")
 
 
-def write_card(model_dir: str | Path, bench: dict | str | Path | None = None, repo_id: str | None = None,
+def write_card(model_dir: str | Path, bench: BenchResult | dict | str | Path | None = None, repo_id: str | None = None,
                compare: str | Path | None = None) -> Path:
     """Write ``README.md``, ``custom_generate/`` and the modeling code (:func:`write_remote_code`) into a drafter folder.
 
     Args:
         model_dir: a folder written by :meth:`DSparkDrafter.save_pretrained` (plus ``calibration.json``
             and ``training.json`` when they exist).
-        bench: benchmark results, as a dict or a JSON file; ``None`` = not measured.
+        bench: benchmark results, as a :class:`BenchResult`, a dict or a JSON file; ``None`` = not measured.
         compare: JSON file of ``scripts/compare_generate.py``, or ``None``.
         repo_id: the Hub id the folder will be pushed to. ``None`` keeps the one the card was last
             written for, else the snippets load the local folder (and ``dspark push`` asks for an id).
@@ -220,7 +222,7 @@ def write_card(model_dir: str | Path, bench: dict | str | Path | None = None, re
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json: pass a folder written by "
                                 "DSparkDrafter.save_pretrained.")
-    if bench is not None and not isinstance(bench, dict):
+    if bench is not None and not isinstance(bench, (dict, BenchResult)):
         if not Path(bench).is_file():
             raise FileNotFoundError(f"Benchmark results {bench} not found.")
         bench = json.loads(Path(bench).read_text())

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 from ..evaluation import tables
+from ..evaluation.bench_result import BenchResult, MachineRecord, as_bench_result
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 CARD_TEMPLATE = TEMPLATES / "model_card.md"
@@ -83,8 +84,8 @@ def _is_scalar(value) -> bool:
     return not isinstance(value, (dict, list))
 
 
-def measured_on_cpu(bench: dict | None) -> bool:
-    """Whether the benchmark machine had no GPU (a ``machine`` dict without ``cuda``, or a string saying CPU)."""
+def measured_on_cpu(bench: BenchResult | dict | None) -> bool:
+    """Whether the benchmark machine had no GPU (a ``machine`` without ``cuda``, or a string saying CPU)."""
     machine = bench_records(bench).get("machine") if bench else None
     if isinstance(machine, dict):
         return not machine.get("cuda") and not machine.get("gpu")
@@ -92,32 +93,34 @@ def measured_on_cpu(bench: dict | None) -> bool:
     return "cpu" in text and not any(word in text for word in ("gpu", "cuda", "nvidia"))
 
 
-def bench_records(result: dict) -> dict:
-    """The card-sized view of a ``dspark bench`` result (``benchmarks.json``, ``schema_version`` 1).
+def bench_records(result: BenchResult | dict) -> dict:
+    """The card-sized view of a ``dspark bench`` result (a :class:`BenchResult`, or ``benchmarks.json`` as a dict).
 
     Keeps τ (fixed-length verification, per decoding setting: drafter x suite), the wall-clock speedup
     and tokens/s (median per suite: method x suite), the greedy mismatch count against plain
-    ``generate``, the run settings and the machine; drops per-prompt rows, plots and curves. A dict
-    that is not a ``dspark bench`` result is returned unchanged.
+    ``generate``, the run settings and the machine (the keys the result recorded); drops per-prompt rows, plots
+    and curves. A dict that is not a ``dspark bench`` result is returned unchanged.
     """
-    if "schema_version" not in result or "wall_clock" not in result:
+    bench = as_bench_result(result)
+    if bench is None:
         return result
-    machine = dict(result.get("machine") or {})
+    machine = bench.machine.to_json() if isinstance(bench.machine, MachineRecord) else dict(bench.machine or {})
     date, command = machine.pop("date", None), machine.pop("command", None)
-    wall = result["wall_clock"].get("suites") or {}
+    wall = bench.wall_clock.suites if bench.wall_clock and bench.wall_clock.suites else {}
 
     def per_method(key):
         table = {}
         for suite, methods in wall.items():
             for method, row in methods.items():
-                table.setdefault(method, {})[suite] = row.get(key)
+                table.setdefault(method, {})[suite] = getattr(row, key)
         return table
 
-    out = {"tau": result.get("tau"), "speedup": per_method("median_speedup"),
+    settings = bench.settings.to_json() if bench.settings else {}
+    out = {"tau": bench.tau, "speedup": per_method("median_speedup"),
            "tokens per second (median)": per_method("median_tokens_per_s"),
-           "τ ratio DSpark / DFlash (greedy, macro)": result.get("tau_ratio_dspark_over_dflash"),
-           "greedy outputs that differ from plain generate": result["wall_clock"].get("mismatches_total"),
-           "settings": {k: v for k, v in (result.get("settings") or {}).items() if not isinstance(v, (dict, list))},
+           "τ ratio DSpark / DFlash (greedy, macro)": bench.tau_ratio_dspark_over_dflash,
+           "greedy outputs that differ from plain generate": bench.wall_clock.mismatches_total if bench.wall_clock else None,
+           "settings": {k: v for k, v in settings.items() if not isinstance(v, (dict, list))},
            "machine": machine, "date": date, "command": command}
     return {k: v for k, v in out.items() if v not in (None, {}, [])}
 
@@ -130,10 +133,11 @@ def compare_block(compare: dict) -> str:
             f"{metric_block('', rows)}\n\nCommand:\n\n```bash\n{compare['command']}\n```")
 
 
-def speed_section(bench: dict | None, compare: dict | None = None) -> str:
+def speed_section(bench: BenchResult | dict | None, compare: dict | None = None) -> str:
     """The "Speed" section: τ, speedup and any other metric in ``bench``, and where they were measured.
 
-    ``bench`` is the benchmark results dict (e.g. ``docs/benchmarks.json``): ``machine``, ``date`` and
+    ``bench`` is a ``dspark bench`` result (a :class:`BenchResult` or ``docs/benchmarks.json`` as a dict, shown
+    through :func:`bench_records`) or any dict of metrics: ``machine``, ``date`` and
     ``command`` describe the run, every other key is a metric rendered by :func:`metric_block`.
     Metrics that are absent read "Not measured yet"; nothing is filled in. ``compare`` (see
     :func:`compare_block`) comes first when given.

@@ -1,0 +1,83 @@
+"""The typed ``dspark bench`` result: the committed ``benchmarks.json`` files load and round-trip byte for byte, and
+the report and the model card read the same values from the typed result as from its JSON."""
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from dspark_hf.bench.report import markdown_report
+from dspark_hf.bench.settings import BenchSettings
+from dspark_hf.evaluation.bench_result import (
+    BenchResult,
+    MethodSummary,
+    PositionCalibration,
+    RunSettings,
+    SweepPoint,
+    as_bench_result,
+)
+from dspark_hf.hub import sections
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMITTED = [ROOT / "docs" / "benchmarks.json", ROOT / "docs" / "lookup" / "benchmarks.json"]
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_committed_results_round_trip_exactly(path):
+    text = path.read_text()
+    result = BenchResult.load(path)
+    assert result.to_json() == json.loads(text)
+    assert result.dumps() == text  # same keys, same order, same numbers
+    assert BenchResult.from_json(json.loads(result.dumps())) == result
+    # typed all the way down
+    suite = next(iter(result.suites))
+    method = result.wall_clock.suites[suite]["plain"]
+    assert isinstance(method, MethodSummary) and method.per_prompt[0].identical in (True, False)
+    confidence = result.confidence["dspark"]
+    assert isinstance(confidence.suites["all"].calibration.positions[0], PositionCalibration)
+    assert isinstance(confidence.suites["all"].threshold_sweep[0], SweepPoint)
+    assert result.settings.gamma == len(result.conditional_acceptance["greedy"][suite]["dspark"])
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_report_and_card_read_the_typed_result_as_the_json(path):
+    data = json.loads(path.read_text())
+    result = BenchResult.from_json(data)
+    assert markdown_report(result) == markdown_report(data)
+    assert sections.speed_section(result) == sections.speed_section(data)
+    assert sections.bench_records(result) == sections.bench_records(data)
+    assert sections.measured_on_cpu(result) is True and result.machine.cuda is None
+
+
+def test_a_key_absent_from_an_old_file_stays_absent():
+    """``token_sources`` (added later) and ``modelled_tokens_per_s`` (only with an SPS curve) are written back only
+    when the loaded file had them; unknown keys are kept."""
+    old = {"median_tokens_per_s": 20.0, "median_speedup": 1.0, "speedup_of_medians": 1.0, "tau": None,
+           "mismatches": 0, "per_prompt": [], "future_key": {"x": 1}}
+    summary = MethodSummary.from_json(old)
+    assert summary.token_sources is None and summary.to_json() == old
+    assert list(summary.to_json()) == list(old)
+    summary.token_sources = {"lookup": 1, "dspark": 2, "target": 3}  # set after loading: written
+    assert summary.to_json()["token_sources"] == {"lookup": 1, "dspark": 2, "target": 3}
+    assert MethodSummary.from_json({**old, "token_sources": None}).to_json()["token_sources"] is None
+    point = {"threshold": 0.1, "rounds": 0, "accepted_per_step": None, "rejected_per_step": None,
+             "verified_per_step": None, "acceptance_rate": None, "draft_acceptance_rate": None}
+    assert SweepPoint.from_json(point).to_json() == point
+
+
+def test_partial_result_loads_and_non_finite_floats_become_null():
+    partial = {"schema_version": 1, "wall_clock": {"methods": ["plain"], "mismatches_total": 0, "suites": {}},
+               "tau": {"greedy": {"d": {"s": float("nan")}}}}
+    result = as_bench_result(partial)
+    assert result.machine is None and result.plots is None
+    assert result.to_json() == {**partial, "tau": {"greedy": {"d": {"s": None}}}}
+    assert math.isnan(result.tau["greedy"]["d"]["s"]) and result.strict().tau["greedy"]["d"]["s"] is None
+    assert as_bench_result({"tau": 2.0}) is None and as_bench_result(result) is result
+
+
+def test_run_settings_mirror_bench_settings():
+    """Every ``BenchSettings`` field is recorded, in its order (the runner builds ``RunSettings`` from them)."""
+    names = [f.name for f in dataclasses.fields(RunSettings)]
+    assert names == [f.name for f in dataclasses.fields(BenchSettings)] + ["math_filter"]
