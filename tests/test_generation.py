@@ -131,6 +131,7 @@ def check_stats(drafter, out, prompt_len, max_new, gamma, mode, threshold=THRESH
 
 
 def generate(target, prompt, drafter, mode, gamma, max_new=MAX_NEW, **kwargs):
+    kwargs.setdefault("dspark_lookup", False)  # DSpark's own rounds, unless a test asks for lookup (or its default)
     return target.generate(prompt, max_new_tokens=max_new, do_sample=False, assistant_model=drafter,
                            dspark_verification=mode, dspark_block_size=gamma, dspark_threshold=THRESHOLD, **kwargs)
 
