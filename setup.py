@@ -9,7 +9,8 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 SHIPPED_DRAFTERS = ["dspark-smollm2-135m-instruct"]  # folders of model_cards/ that go into the wheel
-DRAFTER_FILES = ("config.json", "model.safetensors", "calibration.json", "training.json")
+# the weights (one file or <= 16 MB shards + their index), the config, the STS calibration and the training record
+DRAFTER_FILES = ("config.json", "model*.safetensors", "model.safetensors.index.json", "calibration.json", "training.json")
 
 
 class BuildPyWithDrafters(build_py):
@@ -21,9 +22,9 @@ class BuildPyWithDrafters(build_py):
                 continue
             target = Path(self.build_lib) / "dspark_hf" / "drafters" / name
             target.mkdir(parents=True, exist_ok=True)
-            for file in DRAFTER_FILES:
-                if (source / file).is_file():
-                    shutil.copyfile(source / file, target / file)
+            for pattern in DRAFTER_FILES:
+                for file in source.glob(pattern):
+                    shutil.copyfile(file, target / file.name)
 
 
 setup(cmdclass={"build_py": BuildPyWithDrafters})
