@@ -19,7 +19,6 @@ def run(args):
 
     from ..decoding.targets import load_target
     from ..modeling.configuration_dspark import spread_layer_ids
-    from ..training.config import TrainConfig
     from ..training.data import prepare_data
     from ..training.trainer import train
 

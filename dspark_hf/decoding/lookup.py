@@ -212,8 +212,8 @@ def lookup_enabled(setting, drafter, block_size: int, mode: str) -> bool:
     Args:
         setting: ``None`` (the default): on with a scheduled ``mode`` (``scheduler``, ``async``: blocks already sized
             by Θ) and calibrated confidences for γ, off otherwise (``fixed`` and ``threshold`` keep the blocks they
-            promise). ``True``: on, or an error; ``False``: off. Default on because the bench measured the hybrid at
-            least as fast as the better of prompt lookup and DSpark alone on every suite (issue #14).
+            promise). ``True``: on, or an error; ``False``: off. Default on because the bench measured the hybrid
+            faster than DSpark alone on every suite (issue #14).
 
     Raises:
         ValueError: ``setting`` is not ``None`` or a bool, or it is ``True`` and the drafter lacks calibrated
@@ -222,14 +222,16 @@ def lookup_enabled(setting, drafter, block_size: int, mode: str) -> bool:
     if setting is not None and not isinstance(setting, bool):
         raise ValueError(f"dspark_lookup must be None (automatic), True or False, got {setting!r}")
     calibration = drafter.calibration
+    if drafter.confidence is None:
+        missing = "the drafter's confidence head to compare proposals by Θ"
+    elif calibration is None or len(calibration.temperatures) < block_size:
+        missing = f"calibrated confidences for γ = {block_size} positions"
+    else:
+        missing = None
     if setting is None:
-        calibrated = drafter.confidence is not None and calibration is not None and len(calibration.temperatures) >= block_size
-        return mode in SCHEDULED_MODES and calibrated
-    fix = "run `dspark calibrate`, or pass dspark_lookup=False"
-    if setting and drafter.confidence is None:
-        raise ValueError(f"dspark_lookup=True needs the drafter's confidence head to compare proposals by Θ; {fix}.")
-    if setting and (calibration is None or len(calibration.temperatures) < block_size):
-        raise ValueError(f"dspark_lookup=True needs calibrated confidences for γ = {block_size} positions; {fix}.")
+        return mode in SCHEDULED_MODES and missing is None
+    if setting and missing:
+        raise ValueError(f"dspark_lookup=True needs {missing}; run `dspark calibrate`, or pass dspark_lookup=False.")
     return setting
 
 
