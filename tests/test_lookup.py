@@ -4,10 +4,11 @@
 
 import pytest
 import torch
-from conftest import CYCLE, cycle_drafter, cycle_target
+from conftest import CYCLE, cycle_drafter, cycle_target, tiny_sps_curve
 
 from dspark_hf import SequentialTemperatureScaling
 from dspark_hf.decoding.lookup import (
+    REFRESH_ROUNDS,
     LookupAcceptance,
     LookupDrafting,
     LookupMatch,
@@ -100,6 +101,48 @@ def test_plan_tie_goes_to_lookup():
     assert plan_round(c, c, SPS, 3)[0] == "lookup"
 
 
+def test_drafting_cost_moves_the_choice_to_lookup_or_to_the_target_alone():
+    """A round that runs the drafter pays its pass: with 30 ms per pass, DSpark's [0.5] * 4 (best Θ 16.3 tokens/s free,
+    12.9 with the pass) loses to a lookup continuation of [0.5, 0.5] (15.9) that it beat for free; and where verifying
+    more than one token is dear, weak drafts (10.5) and lookup (6.9) lose to the target alone (1000 / 65 = 15.4)."""
+    drafted = [1.0 / (1.0 / s + 0.030) for s in SPS]
+    dspark, lookup = [0.5] * 4, [0.5, 0.5]
+    assert plan_round(lookup, dspark, SPS, 4)[0] == "dspark"  # free drafting: the paper's Θ
+    assert max(expected_throughputs(dspark, drafted)) < max(expected_throughputs(lookup, SPS)[1:])
+    source, k, length, value = plan_round(lookup, dspark, SPS, 4, drafted)
+    assert (source, k, length) == ("lookup", 2, 2) and value == pytest.approx(theta(lookup, 2))
+    steep = [SPS[0]] + [s / 2 for s in SPS[1:]]  # verifying 2+ tokens costs twice one: no lookup pays off either
+    assert plan_round([0.5], [0.3] * 4, steep, 4, drafted) == ("target", 0, 0, pytest.approx(SPS[0]))
+    assert plan_round([0.5], [0.3] * 4, steep, 4)[0] == "dspark"  # free drafting: DSpark's ℓ = 0 ties the target
+
+
+def test_round_rates_add_the_costs_outside_the_verification():
+    curve = tiny_sps_curve()
+    assert curve.round_rates(0, drafts=True) == pytest.approx(curve.steps_per_s)  # nothing learnt yet: SPS itself
+    curve.observe_round(0.005, 0.010)  # first observations are taken as they are
+    assert (curve.overhead_ms, curve.draft_ms) == pytest.approx((5.0, 10.0))
+    assert curve.round_rates(0, drafts=False)[0] == pytest.approx(1000 / 70)
+    assert curve.round_rates(0, drafts=True)[1] == pytest.approx(1000 / 124)
+    curve.observe_round(0.005 * 10, None)  # a round without a drafter pass leaves draft_ms; EMA in log space
+    assert (curve.overhead_ms, curve.draft_ms) == pytest.approx((5.0 * 10 ** 0.1, 10.0))
+    with pytest.raises(ValueError, match="times >= 0"):
+        curve.observe_round(-1.0)
+
+
+def test_a_stale_estimate_is_refreshed_by_drafting():
+    """When the target alone wins, the DSpark estimate it was judged by ages; after REFRESH_ROUNDS rounds without a
+    drafted block the round drafts anyway (a function of the round count, never of a draft)."""
+    curve = tiny_sps_curve([65] + [130] * 8)
+    curve.draft_ms = 30.0
+    state = LookupDrafting(SequentialTemperatureScaling(temperatures=[1.0] * 4), curve, max_tokens=4)
+    state.observe_block(torch.tensor([0.2] * 4))
+    ids = torch.tensor([[1, 2, 3]])  # no lookup match
+    sources = [state.plan(ids, 4, room=4).source for _ in range(REFRESH_ROUNDS + 1)]
+    assert sources == ["target"] * REFRESH_ROUNDS + ["dspark"]
+    state.observe_block(torch.tensor([0.2] * 4))
+    assert state.plan(ids, 4, room=4).source == "target"
+
+
 def test_plan_rejects_bad_estimates():
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         plan_round([1.5], [0.5] * 4, SPS, 4)
@@ -107,7 +150,7 @@ def test_plan_rejects_bad_estimates():
 
 def test_drafting_state_plans_from_the_text_and_learns():
     calibration = SequentialTemperatureScaling(temperatures=[1.0] * 4)
-    state = LookupDrafting(calibration, SPS, max_tokens=16)
+    state = LookupDrafting(calibration, tiny_sps_curve(), max_tokens=16)
     ids = torch.tensor([[1, 2, 3, 4, 5, 6, 1, 2]])
     assert state.plan(ids, 4, room=10).source == "dspark"  # no block drafted yet
     state.observe_block(torch.tensor([0.3, 0.3, 0.3, 0.3]))

@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerFast
 from transformers.utils.hub import convert_file_size_to_int
 
 import dspark_hf
-from dspark_hf import DSparkConfig, DSparkDrafter
+from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling
 from dspark_hf.cli.main import main as cli_main
 from dspark_hf.decoding.targets import load_default_target
 from dspark_hf.modeling.configuration_dspark import spread_layer_ids
@@ -396,3 +396,22 @@ def test_saved_drafters_are_sharded_load_and_resume(tiny_data, tmp_path, monkeyp
     train(target, TrainConfig(**{**asdict(cfg), "steps": 3}), progress=False)  # resumes at step 2
     log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [0, 1, 2, 3]
+
+
+def test_warm_start_continues_from_a_drafter_folder(tiny_data, tmp_path):
+    """init_from: training starts from the folder's weights (the step-0 validation is the source's final one), with
+    a fresh optimizer and step count, and drops the calibration; another architecture is refused, naming the field."""
+    target, out = tiny_data
+    base = dict(data_dir=str(out), num_hidden_layers=1, sequential_rank=8, block_size=4, num_context_layers=2,
+                draft_vocab_size=None, mask_token_id=0, sequences_per_step=2, anchors_per_sequence=4, warmup_steps=2,
+                eval_every=100, save_every=100, val_sequences=4)
+    source = train(target, TrainConfig(**base, out_dir=str(tmp_path / "a"), steps=3), progress=False)
+    SequentialTemperatureScaling(temperatures=[1.0] * 4).save(source)
+    final = train(target, TrainConfig(**base, out_dir=str(tmp_path / "b"), steps=2, init_from=str(source)), progress=False)
+    first = json.loads((tmp_path / "b" / "log.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 0
+    assert first["validation"] == json.loads((source / "training.json").read_text())["validation"]
+    assert not (final / "calibration.json").exists()
+    with pytest.raises(ValueError, match="block_size: 4 in .*, 5 in the config"):
+        train(target, TrainConfig(**{**base, "block_size": 5}, out_dir=str(tmp_path / "c"), init_from=str(source)),
+              progress=False)

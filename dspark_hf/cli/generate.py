@@ -23,8 +23,10 @@ def run(args):
     settings = {k: v for k, v in settings.items() if v is not None}
     streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     try:  # DSpark's per-call checks (γ beyond the calibration, a mode the drafter lacks) raise before any compute
-        if args.compare:  # one short untimed run of each first, so neither timing pays first-call costs
-            timed_generate(target, prompt_ids, 8, args.temperature, drafter, **settings)
+        # one short untimed run first, so the timing pays no first-call costs (the first use of a scheduled mode on
+        # a machine profiles the target's SPS curve, ~25 s); with --compare, of plain generate too
+        timed_generate(target, prompt_ids, 8, args.temperature, drafter, **settings)
+        if args.compare:
             timed_generate(target, prompt_ids, 8, args.temperature)
         run = timed_generate(target, prompt_ids, args.max_new_tokens, args.temperature, drafter, streamer, **settings)
     except ValueError as err:

@@ -1,20 +1,27 @@
 """The ``dspark`` command line: info, generate, profile, train, calibrate, export, import, bench, card, push, demo.
 
 Each command is one module of this package with ``add_parser(sub)`` and ``run(args)``; this module only assembles
-them and applies ``--threads``.
+them, applies ``--threads`` and prints warnings as one line each (no source line: a user of the command reads the
+message, not our code).
 """
 
 from __future__ import annotations
 
 import argparse
+import warnings
 
 from . import bench, calibrate, card, demo, export, generate, import_, info, profile, push, train
 
 COMMANDS = (info, generate, profile, train, calibrate, export, import_, bench, card, push, demo)
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"{category.__name__}: {message}\n"
+
+
 def main(argv=None):
     """Entry point of the ``dspark`` console script."""
+    warnings.formatwarning = _one_line_warning
     parser = argparse.ArgumentParser(prog="dspark", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:

@@ -83,7 +83,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if (POLICIES[self.mode].needs_calibration or use_lookup) and stale:
             drafter.set_sps_curve(load_or_profile_sps(target, max_tokens=max(cfg.block_size, self.block_size) + 1))
         self.sps = drafter.sps_curve
-        self.lookup = LookupDrafting(drafter.calibration, self.sps.steps_per_s, MAX_BLOCK_SIZE) if use_lookup else None
+        self.lookup = LookupDrafting(drafter.calibration, self.sps, MAX_BLOCK_SIZE) if use_lookup else None
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
         self.max_length = generation_config.max_length
@@ -95,6 +95,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
             mirror.last_stats = self.stats
         self._verify_start = None
         self._verify_context = 0  # tokens in the target's cache before the round's verification
+        self._round_start = None  # when the last round's get_candidates began (its costs are learnt at the next)
+        self._pass_seconds = None  # the last round's drafter pass (None: it did not draft)
 
     def _check_mode(self):
         need = unmet_need(self.drafter, self.mode, self.block_size)
@@ -125,25 +127,28 @@ class DSparkCandidateGenerator(CandidateGenerator):
         """See :class:`~transformers.generation.CandidateGenerator`; the first call lets the target prefill."""
         if is_first_iteration:
             return input_ids, None
+        self._learn_round_costs()
         self._extend_context(input_ids, model_outputs)
         gamma = min(self.block_size, self.max_length - input_ids.shape[1] - 1)
+        self._verify_context = input_ids.shape[1] - 1  # the scheduler reads the SPS row of this context
         if gamma <= 0:  # one token left: the target verifies the anchor alone, a round without drafts
             self._start_verification(RoundStats(drafted=0, scheduled=0))
             return input_ids, None
         start = time.perf_counter()
-        self._verify_context = input_ids.shape[1] - 1  # the scheduler reads the SPS row of this context
         room = self.max_length - input_ids.shape[1] - 1
         plan = self.lookup.plan(input_ids, gamma, room) if self.lookup is not None else None  # before any drafting
-        if plan is not None and plan.source == "lookup":  # no drafter pass
-            drafts, confidences = torch.tensor(plan.lookup_tokens), None
+        if plan is not None and plan.source in ("lookup", "target"):  # no drafter pass
+            drafts, confidences = torch.tensor(plan.lookup_tokens, dtype=torch.long), None
             draft_logits = one_hot_logits(drafts, self.drafter.config.vocab_size) if self.do_sample else None
             scheduled = plan.length
         else:
             forced = torch.tensor(plan.lookup_tokens) if plan is not None and plan.source == "hybrid" else None
+            pass_start = time.perf_counter()
             block = self.drafter.draft(
                 self.context, int(input_ids[0, -1]), gamma, self.do_sample, self.logits_processor, input_ids,
                 forced_tokens=forced,
             )
+            self._pass_seconds = time.perf_counter() - pass_start
             if self.lookup is not None:
                 self.lookup.observe_block(block.confidences)
             drafts, confidences, draft_logits = block.tokens, block.confidences, block.logits
@@ -159,9 +164,23 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 lookup=len(plan.lookup_tokens) if plan is not None else 0,
             )
         )
+        if length == 0:
+            return input_ids, None
         candidates = torch.cat([input_ids, drafts[:length][None].to(input_ids.device)], dim=-1)
-        logits = draft_logits[None, :length] if self.do_sample and length > 0 else None
+        logits = draft_logits[None, :length] if self.do_sample else None
         return candidates, logits
+
+    def _learn_round_costs(self):
+        """At the start of a round: the previous round's wall-clock time minus its verification and drafter pass
+        is its overhead; both refine the curve's round costs (:meth:`~dspark_hf.SPSCurve.observe_round`) when the
+        curve learns online, so Θ weighs a drafter pass against rounds that skip it."""
+        now = time.perf_counter()
+        last = self.stats.rounds[-1] if self.stats.rounds else None
+        if self.policy.needs_calibration and self.sps.online and self._round_start is not None and last is not None:
+            draft = self._pass_seconds or 0.0
+            overhead = max(now - self._round_start - last.verify_ms / 1e3 - draft, 0.0)
+            self.sps.observe_round(overhead, self._pass_seconds)
+        self._round_start, self._pass_seconds = now, None
 
     def _start_verification(self, round_stats: RoundStats):
         """Record the round about to be verified and start its verify timer."""
@@ -179,7 +198,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
     def _prefix_length(self, block, gamma: int) -> int:
         """ℓ in 0..γ by the call's verification policy (:mod:`dspark_hf.decoding.verification`)."""
-        sps = self.sps.at(self._verify_context)[: gamma + 1] if self.policy.needs_calibration else None
+        sps = self.sps.round_rates(self._verify_context, drafts=True)[: gamma + 1] if self.policy.needs_calibration else None
         return self.policy.prefix_length(block.confidences, self.drafter.calibration, sps, gamma, self.threshold)
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):

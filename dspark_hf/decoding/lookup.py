@@ -2,15 +2,20 @@
 
 Each round, before anything is drafted, :class:`LookupDrafting` finds the longest n-gram of the text so far
 (prompt + generated) that ends with the anchor token and occurred earlier, takes what followed it as a
-lookup continuation, and plans one of three proposals by ``Θ(ℓ) = (1 + Σ_{j<=ℓ} a_j) · SPS(1 + ℓ)`` (paper
-§3.2.2, :func:`dspark_hf.scheduler.expected_throughputs`):
+lookup continuation, and plans one of four proposals by the expected throughput ``Θ(ℓ) = (1 + Σ_{j<=ℓ} a_j) ·
+rate(1 + ℓ)`` (paper §3.2.2, :func:`dspark_hf.scheduler.expected_throughputs`), where ``rate(B)`` is the
+target's SPS curve with the round's costs outside the verification added (:meth:`dspark_hf.SPSCurve.round_rates`:
+bookkeeping every round, the drafter's pass only in rounds that draft):
 
 * ``"lookup"``: the first ℓ continuation tokens (no drafter pass at all);
 * ``"dspark"``: the DSpark block, its ℓ left to the call's verification mode;
 * ``"hybrid"``: k continuation tokens forced as the block's first drafts, the drafter continuing from them
   (:meth:`dspark_hf.DSparkDrafter.draft` with ``forced_tokens``: the sequential and confidence heads take
   the lookup tokens as their previous tokens; the parallel backbone never sees draft tokens, so nothing
-  else changes), ℓ = k + the planned DSpark part.
+  else changes), ℓ = k + the planned DSpark part;
+* ``"target"``: nothing drafted, the target verifies the anchor alone (a plain decoding step), when no draft is
+  expected to repay its cost. The DSpark estimate it is judged by is refreshed: after ``REFRESH_ROUNDS`` rounds
+  without a drafted block, a round that would be ``"target"`` drafts a DSpark block instead.
 
 Survival estimates (``a_j = Π_{i<=j} c_i``):
 
@@ -48,7 +53,8 @@ __all__ = ["LookupAcceptance", "LookupDrafting", "LookupMatch", "RoundPlan", "fi
            "lookup_enabled", "one_hot_logits", "plan_round"]
 
 MAX_NGRAM = 8  # longest suffix compared, and the last match-length bucket of the acceptance estimate
-SOURCES = ("dspark", "lookup", "hybrid")
+REFRESH_ROUNDS = 4  # a "target" round drafts anyway once the last drafted block is this many rounds old
+SOURCES = ("dspark", "lookup", "hybrid", "target")
 
 
 @dataclass(frozen=True)
@@ -141,9 +147,10 @@ class RoundPlan:
     """What one round proposes, decided before any drafting.
 
     Attributes:
-        source: ``"dspark"``, ``"lookup"`` or ``"hybrid"``.
-        lookup_tokens: lookup continuation tokens the proposal starts with (``()`` for ``"dspark"``).
-        length: planned ℓ for ``"lookup"`` / ``"hybrid"``; ``None`` for ``"dspark"`` (the mode decides).
+        source: ``"dspark"``, ``"lookup"``, ``"hybrid"`` or ``"target"``.
+        lookup_tokens: lookup continuation tokens the proposal starts with (``()`` for ``"dspark"``, ``"target"``).
+        length: planned ℓ for ``"lookup"`` / ``"hybrid"`` / ``"target"`` (0); ``None`` for ``"dspark"`` (the mode
+            decides).
         theta: the planned Θ (expected tokens per second of the chosen proposal).
     """
 
@@ -160,8 +167,8 @@ def _best(conditionals: Sequence[float], sps: Sequence[float], shortest: int) ->
     return length, thetas[length]
 
 
-def plan_round(lookup: Sequence[float], dspark: Sequence[float] | None, sps: Sequence[float], gamma: int
-               ) -> tuple[str, int, int | None, float]:
+def plan_round(lookup: Sequence[float], dspark: Sequence[float] | None, sps: Sequence[float], gamma: int,
+               dspark_rates: Sequence[float] | None = None) -> tuple[str, int, int | None, float]:
     """The proposal with the highest expected throughput (a pure function of estimates made before drafting).
 
     Args:
@@ -169,13 +176,16 @@ def plan_round(lookup: Sequence[float], dspark: Sequence[float] | None, sps: Seq
             be empty).
         dspark: estimated conditional acceptance of DSpark drafts at block positions ``1..γ`` (``γ`` values),
             or ``None`` (no estimate yet: DSpark is proposed).
-        sps: ``sps[B - 1] = SPS(B)``.
+        sps: ``sps[B - 1]``: rounds per second of a round that does not run the drafter (lookup, target alone)
+            verifying ``B`` tokens (:meth:`~dspark_hf.SPSCurve.round_rates`; the bare ``SPS(B)`` in the paper).
         gamma: the round's block size γ (a hybrid round verifies at most γ tokens).
+        dspark_rates: the same for a round that runs the drafter (DSpark, hybrid); default ``sps`` (drafting free).
 
     Returns:
         ``(source, k, ℓ, Θ)``: ``k`` leading lookup tokens and the planned ℓ (``None`` for ``"dspark"``).
-        ``"lookup"`` wins over DSpark on ties (it costs no drafter pass); ``"hybrid"`` needs a strictly higher Θ
-        than both; DSpark is kept when nothing beats verifying no draft.
+        ``"lookup"`` wins over DSpark on ties (it costs no drafter pass); ``"target"`` (ℓ = 0, nothing drafted) and
+        ``"hybrid"`` need a strictly higher Θ than what came before, so with free drafting ``"target"`` never wins
+        (DSpark's ℓ = 0 is the same round) and DSpark is kept when nothing beats verifying no draft.
 
     Raises:
         ValueError: estimates outside ``[0, 1]`` or an invalid ``sps`` (see :func:`expected_throughputs`).
@@ -183,15 +193,18 @@ def plan_round(lookup: Sequence[float], dspark: Sequence[float] | None, sps: Seq
     top = len(sps) - 1  # the SPS table covers ℓ <= top
     if dspark is None or gamma < 1 or top < 1:
         return "dspark", 0, None, 0.0
+    drafted = sps if dspark_rates is None else dspark_rates
     dspark = list(dspark)[:gamma]
-    _, best = _best(dspark, sps, 0)
+    _, best = _best(dspark, drafted, 0)
     plan = ("dspark", 0, None, best)
+    if sps[0] > best:
+        plan, best = ("target", 0, 0, sps[0]), sps[0]
     if lookup:
         length, theta = _best(lookup, sps, 1)
         if theta >= best:
             plan, best = ("lookup", length, length, theta), theta
     for k in range(1, min(len(lookup), len(dspark) - 1, top - 1) + 1):
-        length, theta = _best([*lookup[:k], *dspark[k:]], sps, k + 1)
+        length, theta = _best([*lookup[:k], *dspark[k:]], drafted, k + 1)
         if theta > best:
             plan, best = ("hybrid", k, length, theta), theta
     return plan
@@ -241,16 +254,18 @@ class LookupDrafting:
 
     Args:
         calibration: the drafter's :class:`~dspark_hf.SequentialTemperatureScaling`.
-        sps: the target's ``steps_per_s`` table (``sps[B - 1] = SPS(B)``).
-        max_tokens: most lookup tokens per round (also capped by ``len(sps) - 1`` and the token budget).
+        curve: the target's :class:`~dspark_hf.SPSCurve` (read each round at the round's context, with its learnt
+            round costs: :meth:`~dspark_hf.SPSCurve.round_rates`).
+        max_tokens: most lookup tokens per round (also capped by ``curve.max_tokens - 1`` and the token budget).
     """
 
-    def __init__(self, calibration, sps: Sequence[float], max_tokens: int):
+    def __init__(self, calibration, curve, max_tokens: int):
         self.calibration = calibration
-        self.sps = list(sps)
-        self.max_tokens = min(max_tokens, len(self.sps) - 1)
+        self.curve = curve
+        self.max_tokens = min(max_tokens, curve.max_tokens - 1)
         self.acceptance = LookupAcceptance()
         self.block_estimate: list[float] | None = None  # calibrated c' of the last drafted block
+        self.block_age = 0  # rounds planned since that block was drafted
         self._match: LookupMatch | None = None
 
     def plan(self, input_ids: torch.Tensor, gamma: int, room: int) -> RoundPlan:
@@ -258,13 +273,19 @@ class LookupDrafting:
         tokens the budget leaves (``room``); remembers the lookup match for :meth:`update`."""
         self._match = find_continuation(input_ids[0], min(self.max_tokens, room))
         lookup = self.acceptance.conditionals(self._match) if self._match is not None else []
-        source, k, length, theta = plan_round(lookup, self.block_estimate, self.sps, gamma)
+        context = input_ids.shape[1] - 1  # tokens in the target's cache before this round's verification
+        source, k, length, theta = plan_round(lookup, self.block_estimate, self.curve.round_rates(context, False),
+                                              gamma, self.curve.round_rates(context, True))
+        self.block_age += 1
+        if source == "target" and self.block_age > REFRESH_ROUNDS:  # the estimate is stale: draft to refresh it
+            source, length = "dspark", None
         tokens = self._match.tokens[:k] if k else ()
         return RoundPlan(source, tokens, length, theta)
 
     def observe_block(self, confidences: torch.Tensor) -> None:
         """Keep the calibrated confidences ``(γ,)`` of the block just drafted as the next rounds' DSpark estimate."""
         self.block_estimate = self.calibration.apply(confidences.float()).tolist()
+        self.block_age = 0
 
     def update(self, input_ids: torch.Tensor, num_matches: int) -> None:
         """After verification: score the round's lookup continuation against its ``num_matches + 1`` produced

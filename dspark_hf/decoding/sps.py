@@ -1,5 +1,6 @@
 """``SPSCurve``: the target's measured steps per second when verifying ``B`` tokens at once, per context length,
-refined online from the verification times of real rounds (paper §3.2.2). Measuring it and caching it on disk is
+refined online from the verification times of real rounds (paper §3.2.2), and what a round costs besides the
+verification (bookkeeping, the drafter's pass), learnt the same way. Measuring the curve and caching it on disk is
 :mod:`dspark_hf.decoding.profiling`."""
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
-FORMAT_VERSION = 2  # 2 added context_curves, noisy, spread, observations, counts, online (version 1 files still load)
+FORMAT_VERSION = 2  # 2 added context_curves, noisy, spread, observations, counts, online; later overhead_ms, draft_ms
+# (with defaults: files without them load; version 1 files still load)
 DEFAULT_CONTEXTS = (256, 2048)  # context lengths profiled by default (those that fit); longer ones are learnt online
 REL_TOL = 0.05  # stop sweeping once every median is known to ±5 % (95 % confidence)
 NOISY_SPREAD = 0.15  # a curve whose medians are still wider than ±15 % is marked noisy
@@ -47,8 +49,13 @@ class SPSCurve:
         spread: largest relative 95 % half-width of a median over all ``B`` and contexts (0: not measured here).
         observations: verification times folded in by :meth:`observe` since the curve was measured.
         counts: ``{context row: [observations of B = 1..max_tokens]}`` behind ``observations``.
-        online: whether ``generate`` refines the curve with each round's verification time (``False``
-            keeps it fixed, so the scheduler's choices are reproducible run to run).
+        online: whether ``generate`` refines the curve with each round's verification time and learns the round
+            costs below (``False`` keeps both fixed, so the scheduler's choices are reproducible run to run).
+        overhead_ms: milliseconds every round spends outside the verification and the drafter's pass (appending
+            the context features, planning, transformers' bookkeeping), learnt by :meth:`observe_round`; 0 until
+            then.
+        draft_ms: milliseconds of the drafter's pass in a round that drafts (a prompt-lookup round or a plain
+            target step skips it), learnt by :meth:`observe_round`; 0 until then.
 
     Raises:
         ValueError: empty curve, a non-positive / non-finite value, or a row of another length.
@@ -69,6 +76,8 @@ class SPSCurve:
     observations: int = 0
     counts: dict[int, list[int]] = field(default_factory=dict)
     online: bool = True
+    overhead_ms: float = 0.0
+    draft_ms: float = 0.0
 
     def __post_init__(self) -> None:
         self.steps_per_s = [float(s) for s in self.steps_per_s]
@@ -156,6 +165,50 @@ class SPSCurve:
             row[b] *= math.exp(-w * delta)
         counts[n_tokens - 1] += 1
         self.observations += 1
+
+    def observe_round(self, overhead_seconds: float, draft_seconds: float | None = None,
+                      weight: float = ONLINE_WEIGHT) -> None:
+        """Fold one round's measured costs outside the verification into :attr:`overhead_ms` / :attr:`draft_ms`.
+
+        An exponential moving average of log-milliseconds (as :meth:`observe`); a cost still at 0 takes the first
+        observation as it is.
+
+        Args:
+            overhead_seconds: the round's wall-clock seconds minus its verification and its drafter pass, ``>= 0``.
+            draft_seconds: seconds of the round's drafter pass, or ``None`` for a round that did not draft.
+            weight: EMA weight in ``(0, 1]``.
+
+        Raises:
+            ValueError: a negative or non-finite time, or ``weight`` out of range.
+        """
+        times = {"overhead_ms": overhead_seconds, "draft_ms": draft_seconds}
+        if not 0 < weight <= 1 or not all(math.isfinite(t) and t >= 0 for t in times.values() if t is not None):
+            raise ValueError(f"need times >= 0 and 0 < weight <= 1; got {overhead_seconds}, {draft_seconds}, {weight}.")
+        for name, seconds in times.items():
+            if seconds is None:
+                continue
+            ms, old = max(1e3 * seconds, 1e-3), getattr(self, name)
+            setattr(self, name, ms if old <= 0 else old * (ms / old) ** weight)
+
+    def round_rates(self, context_len: int, drafts: bool) -> list[float]:
+        """Rounds per second when the target verifies ``B`` tokens, costs outside the verification included.
+
+        ``rate(B) = 1 / (1 / SPS(B) + overhead + draft)``, the draft term only for ``drafts=True``. The paper's
+        ``Θ = τ · SPS(B)`` (§3.2.2) counts the verification alone, right where drafting and bookkeeping are
+        negligible next to the target's step; on a CPU they are ~10-25 % of a round, and a prompt-lookup round
+        (no drafter pass) would otherwise be undervalued. With no costs learnt yet (or ``online=False``) this is
+        :meth:`at`.
+
+        Args:
+            context_len: tokens in the target's KV cache before the verification.
+            drafts: whether the round runs the drafter.
+
+        Returns:
+            ``rate[B - 1]`` for ``B = 1..max_tokens``, rounds per second (pass it as the ``sps`` of
+            :mod:`dspark_hf.decoding.scheduler` functions).
+        """
+        extra = 1e-3 * (self.overhead_ms + (self.draft_ms if drafts else 0.0))
+        return [1.0 / (1.0 / s + extra) for s in self.at(context_len)]
 
     def smooth(self) -> SPSCurve:
         """Copy with every row made monotone non-increasing in ``B`` by a running minimum (paper §5.2:

@@ -29,6 +29,7 @@ class TrainConfig:
     num_context_layers: int = 4
     draft_vocab_size: int | None = 8192
     init_from_target_layers: list[int] | None = None  # copy these target decoder layers into the drafter's (one each)
+    init_from: str | None = None  # warm start: a drafter folder whose weights (and draft vocabulary) training starts from
     # data
     target_tokens: int = 300_000
     gen_batch_size: int = 48

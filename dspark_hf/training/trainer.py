@@ -192,6 +192,30 @@ def build_drafter(target, cfg: TrainConfig, train_rows, tokenizer=None) -> DSpar
     return drafter.bind(target)
 
 
+def warm_start(target, cfg: TrainConfig) -> DSparkDrafter:
+    """The drafter of ``cfg.init_from``, to train further (its weights and draft vocabulary; the optimizer, the
+    schedule and the step count start afresh; the calibration is dropped: it no longer fits once trained).
+
+    Raises:
+        ValueError: the folder's drafter differs from ``cfg`` in architecture (the message names the fields).
+    """
+    drafter = DSparkDrafter.from_pretrained(cfg.init_from)
+    c = drafter.config
+    differ = [f"{name}: {have} in {cfg.init_from}, {want} in the config" for name, have, want in (
+        ("num_hidden_layers", c.num_hidden_layers, cfg.num_hidden_layers),
+        ("sequential_head", c.sequential_head, cfg.sequential_head),
+        ("sequential_rank", c.sequential_rank, cfg.sequential_rank),
+        ("confidence_head", c.confidence_head, cfg.confidence_head),
+        ("block_size", c.block_size, cfg.block_size),
+        ("num_context_layers", len(c.target_layer_ids), cfg.num_context_layers),
+    ) if have != want]
+    if differ:
+        raise ValueError("init_from must hold a drafter of the configured architecture; set the config to match or "
+                         "drop init_from:\n- " + "\n- ".join(differ))
+    drafter.calibration = None
+    return drafter.bind(target)
+
+
 def init_layers_from_target(drafter: DSparkDrafter, target, layer_ids: list[int]):
     """Start drafter layer ``j`` as a copy of target decoder layer ``layer_ids[j]`` (attention, MLP, norms).
 
@@ -293,6 +317,8 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
     ckpt = out / "checkpoint"
     if (ckpt / "state.pt").is_file():
         drafter = DSparkDrafter.from_pretrained(ckpt).bind(target)
+    elif cfg.init_from:
+        drafter = warm_start(target, cfg)
     else:
         drafter = build_drafter(target, cfg, train_rows)
     drafter.train()
