@@ -12,6 +12,8 @@ process would; only the main process evaluates and writes logs and checkpoints.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import math
 import time
@@ -32,6 +34,7 @@ from .data import load_shards
 from .losses import dspark_loss, expected_tau, greedy_survival, position_weights, tv_distance  # noqa: F401 (re-exported)
 
 MAX_SHARD_SIZE = "16MB"  # safetensors shards of saved drafters (save_pretrained's max_shard_size): each file < 16 MiB
+TRIM_EVERY = 10  # steps between release_free_memory() calls (glibc malloc_trim: a few ms each)
 
 
 # -------------------------------------------------------------------------------------- data
@@ -376,6 +379,8 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
         log.flush()
         if step % cfg.save_every == 0:
             _save_checkpoint(drafter, optimizer, generator, step, time.perf_counter() - start, ckpt)
+        if step % TRIM_EVERY == 0:
+            release_free_memory()
     bar.close()
     final = out / "final"
     if main:
@@ -386,6 +391,21 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
         )
     accelerator.wait_for_everyone()  # the final folder exists for every process that returns it
     return final
+
+
+def release_free_memory() -> bool:
+    """Return the C heap's free pages to the OS (glibc ``malloc_trim``); ``False`` where there is no glibc.
+
+    A CPU training process otherwise grows by heap fragmentation: rows and packed batches of a different size every
+    step leave freed holes that glibc keeps (measured: +1.3 GB of anonymous memory per 100 steps, 8-11 GB after
+    ~750, until the OOM killer ended a run). Trimming every :data:`TRIM_EVERY` steps keeps it flat.
+    """
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    libc.malloc_trim(0)
+    return True
 
 
 def _save_checkpoint(drafter, optimizer, generator, step, elapsed, ckpt: Path):
