@@ -344,7 +344,9 @@ def test_two_processes_train_like_one(tmp_path):
                          env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": package_root})
     assert run.returncode == 0, run.stderr[-4000:]
     logs = {run: [json.loads(line) for line in (tmp_path / run / "log.jsonl").read_text().splitlines()] for run in ("one", "two")}
-    assert json.loads((tmp_path / "two" / "final" / "training.json").read_text())["processes"] == 2
+    record = json.loads((tmp_path / "two" / "final" / "training.json").read_text())
+    assert record["processes"] == 2
+    assert record["command"].startswith("dspark train --config ") and record["command"].endswith(" --train-only")
     assert [r["step"] for r in logs["one"]] == [r["step"] for r in logs["two"]] == [0, 1, 2, 3, 4]  # main process alone logs
     for a, b in zip(logs["one"][1:], logs["two"][1:]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)

@@ -8,6 +8,7 @@ message, not our code).
 from __future__ import annotations
 
 import argparse
+import sys
 import warnings
 
 from . import bench, calibrate, card, demo, export, generate, import_, info, profile, push, train
@@ -27,6 +28,7 @@ def main(argv=None):
     for command in COMMANDS:
         command.add_parser(sub)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed (training.json records it)
     if getattr(args, "threads", None) is not None:
         if args.threads < 1:
             parser.error(f"--threads must be >= 1, got {args.threads}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from dataclasses import fields
 
@@ -47,7 +48,7 @@ def run(args):
     state.wait_for_everyone()
     if args.prepare_only:
         return
-    final = train(target, cfg, command=f"dspark train --config {args.config}")
+    final = train(target, cfg, command=shlex.join(["dspark", *args.argv]))  # the flags too: they override the file
     if state.is_main_process:
         print(f"drafter saved to {final}")
 
