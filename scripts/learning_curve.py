@@ -1,9 +1,10 @@
 """Learning curves of drafter training runs: validation greedy τ and k = 1 survival against draft positions trained.
 
-Reads each run's ``log.jsonl`` (written by ``dspark train``) and its ``train_config.yaml``; positions trained per
-step = sequences_per_step × anchors_per_sequence × block_size. Writes a PNG (log-scale x) and prints a table.
+Each argument is a run folder of ``dspark train`` (its ``log.jsonl`` and ``train_config.yaml``) or a drafter folder
+whose ``training.json`` carries the curve (``dspark_hf.training.curve``: warm starts included, so the shipped
+drafters' curves come with them). Writes a PNG (log-scale x) and prints a table.
 
-    python scripts/learning_curve.py runs/exp/e1-paper runs/exp/e2-ce1 --out docs/learning_curve.png
+    python scripts/learning_curve.py model_cards/dspark-smollm2-135m-instruct ablations/* --out docs/learning_curve.png
 """
 
 import argparse
@@ -14,20 +15,19 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import yaml  # noqa: E402
+
+from dspark_hf.training.config import TrainConfig  # noqa: E402
+from dspark_hf.training.curve import run_curve  # noqa: E402
 
 
-def curve(run: Path) -> list[tuple[int, float, float]]:
-    """``[(positions trained, greedy τ, k = 1 greedy survival)]`` at each validation of ``run``."""
-    cfg = yaml.safe_load((run / "train_config.yaml").read_text())
-    per_step = cfg["sequences_per_step"] * cfg["anchors_per_sequence"] * cfg["block_size"]
-    points = []
-    for line in (run / "log.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        val = record.get("validation")
-        if val and "greedy_survival" in val:
-            points.append((record["step"] * per_step, val["greedy_tau"], val["greedy_survival"][0]))
-    return points
+def curve(folder: Path) -> list[tuple[int, float, float]]:
+    """``[(positions trained, greedy τ, k = 1 greedy survival)]`` at each validation of a run or drafter folder."""
+    if (folder / "training.json").is_file():
+        points = json.loads((folder / "training.json").read_text()).get("curve", [])
+    else:
+        cfg = TrainConfig.from_yaml(folder / "train_config.yaml")
+        points = run_curve(folder / "log.jsonl", cfg)
+    return [(p["positions"], p["greedy_tau"], p["greedy_survival_1"]) for p in points]
 
 
 def main():

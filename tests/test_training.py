@@ -28,6 +28,7 @@ from dspark_hf.cli.main import main as cli_main
 from dspark_hf.decoding.targets import load_default_target
 from dspark_hf.modeling.configuration_dspark import spread_layer_ids
 from dspark_hf.training import trainer as training
+from dspark_hf.training.curve import inherited_curve
 from dspark_hf.training.data import chat_ids, export_tokens, load_shards, prepare_data, reply_ids
 from dspark_hf.training.trainer import (
     FeatureBatcher,
@@ -414,6 +415,23 @@ def test_warm_start_continues_from_a_drafter_folder(tiny_data, tmp_path):
     assert first["step"] == 0
     assert first["validation"] == json.loads((source / "training.json").read_text())["validation"]
     assert not (final / "calibration.json").exists()
+    # the learning curve goes on from the source's: positions and steps count on, step 0 is not repeated
+    per_step = 2 * 4 * 4
+    source_curve = json.loads((source / "training.json").read_text())["curve"]
+    curve = json.loads((final / "training.json").read_text())["curve"]
+    assert [(p["step"], p["positions"]) for p in source_curve] == [(0, 0), (3, 3 * per_step)]
+    assert [(p["step"], p["positions"]) for p in curve] == [(0, 0), (3, 3 * per_step), (5, 5 * per_step)]
+    assert curve[-1]["greedy_tau"] == json.loads((final / "training.json").read_text())["validation"]["greedy_tau"]
     with pytest.raises(ValueError, match="block_size: 4 in .*, 5 in the config"):
         train(target, TrainConfig(**{**base, "block_size": 5}, out_dir=str(tmp_path / "c"), init_from=str(source)),
               progress=False)
+
+
+def test_a_drafter_without_a_curve_passes_on_its_final_validation(tmp_path):
+    """Drafters trained before training.json carried a curve: a warm start inherits their last point only."""
+    config = {"sequences_per_step": 4, "anchors_per_sequence": 48, "block_size": 7}
+    validation = {"greedy_tau": 1.48, "greedy_survival": [0.33, 0.1]}
+    (tmp_path / "training.json").write_text(json.dumps({"steps": 1500, "config": config, "validation": validation}))
+    assert inherited_curve(tmp_path) == [{"positions": 1500 * 1344, "step": 1500, "greedy_tau": 1.48,
+                                          "greedy_survival_1": 0.33}]
+    assert inherited_curve(None) == [] and inherited_curve(tmp_path / "missing") == []

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from ..modeling.configuration_dspark import DSparkConfig
 from ..modeling.modeling_dspark import DSparkDrafter
 from .config import TrainConfig
+from .curve import run_curve
 from .data import load_shards
 from .losses import dspark_loss, expected_tau, greedy_survival, position_weights, tv_distance  # noqa: F401 (re-exported)
 
@@ -288,7 +289,8 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
     Returns the folder of the final drafter (``out_dir/final``), loadable with
     ``DSparkDrafter.from_pretrained`` (safetensors shards of at most :data:`MAX_SHARD_SIZE`). A
     ``log.jsonl`` records training and validation metrics; ``final/training.json`` the budget used, the
-    number of processes, the config, the final validation and ``command``.
+    number of processes, the config, the final validation, ``command`` and the learning curve
+    (:func:`~dspark_hf.training.curve.run_curve`, a warm start's included).
 
     Training runs on the target's device. Under ``accelerate launch`` each process calls this with the
     target on its own ``accelerator.device``; the processes split every global batch of
@@ -387,7 +389,8 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
         drafter.save_pretrained(final, max_shard_size=MAX_SHARD_SIZE)
         (final / "training.json").write_text(
             json.dumps({"command": command, "processes": world, "steps": step, "minutes": (time.perf_counter() - start) / 60,
-                        "config": asdict(cfg), "validation": evaluate(drafter, val_batches, weights, cfg.loss_weights)}, indent=2)
+                        "config": asdict(cfg), "validation": evaluate(drafter, val_batches, weights, cfg.loss_weights),
+                        "curve": run_curve(out / "log.jsonl", cfg)}, indent=2)
         )
     accelerator.wait_for_everyone()  # the final folder exists for every process that returns it
     return final
