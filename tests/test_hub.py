@@ -45,8 +45,11 @@ BENCH = {
     "command": "dspark bench --suites mt-bench humaneval",
     "date": "2026-11-29",
 }
-TRAINING = {"steps": 1200, "minutes": 54.25, "config": {"target_tokens": 300000, "block_size": GAMMA},
-            "validation": {"loss": 1.234, "tau": 2.75, "accept": [0.7, 0.5, 0.35, 0.2]}}
+TRAINING = {"steps": 1200, "minutes": 54.25,
+            "config": {"target_tokens": 300000, "block_size": GAMMA, "init_from": "runs/first/final"},
+            "validation": {"loss": 1.234, "tau": 2.75, "accept": [0.7, 0.5, 0.35, 0.2]},
+            "curve": [{"positions": 20000, "step": 300, "greedy_tau": 2.5, "greedy_survival_1": 0.61},
+                      {"positions": 100000, "step": 1500, "greedy_tau": 2.75, "greedy_survival_1": 0.7}]}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -155,6 +158,7 @@ def test_card_metadata_and_records(saved):
     report = json.loads((saved / "card" / "calibration.json").read_text())["report"]
     assert f"{hub_sections._fmt(report['mean_ece_before'])} before → {hub_sections._fmt(report['mean_ece_after'])} after" in text
     assert "1200 optimizer steps in 54.25 minutes" in text and "| accept | 0.700 | 0.500 | 0.350 | 0.200 |" in text
+    assert "Warm-started from `runs/first/final`" in text and "| 100,000 | 1500 | 2.75 | 0.700 |" in text
     assert "Not measured yet" not in text
 
 
