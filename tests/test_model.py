@@ -457,7 +457,8 @@ def test_a_config_json_without_version_loads_as_v1(target, prompt, tmp_path):
     assert loaded.config.dspark_version == 1 and loaded.mask_embedding is not None
     features, anchor = context_features(target, v1, prompt[:, :N_CTX]), prompt[0, N_CTX]
     a, b = draft_after(v1, features, anchor, 7), draft_after(loaded, features, anchor, 7)
-    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logits, b.logits)
+    assert torch.equal(a.tokens, b.tokens)
+    torch.testing.assert_close(b.logits, a.logits, rtol=1e-6, atol=1e-5)  # two allocations: kernels may differ in the last bit
 
 
 def test_v2_saves_its_version_and_mask_token(target, tmp_path):

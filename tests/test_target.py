@@ -129,7 +129,8 @@ def test_v1_checkpoints_draft_exactly_as_before(default_target, folder):
     greedy = drafter.draft(context, int(ids[0, -1]), 7)
     block = drafter.draft(context, int(ids[0, -1]), 7, do_sample=True, generator=torch.Generator().manual_seed(0))
     assert greedy.tokens.tolist() == tokens and block.tokens.tolist() == sampled
-    assert float(block.logits[torch.isfinite(block.logits)].double().sum()) == pytest.approx(logit_sum, rel=1e-9)
+    # rel 1e-6: float32 kernels differ between CPUs in the last bits (2e-7 on an AMD EPYC against the Intel record)
+    assert float(block.logits[torch.isfinite(block.logits)].double().sum()) == pytest.approx(logit_sum, rel=1e-6)
     if confidences is None:
         assert greedy.confidences is None
     else:
