@@ -11,8 +11,8 @@ from .config import TrainConfig
 
 def positions_per_step(config: dict | TrainConfig) -> int:
     """Draft positions one optimizer step trains: ``sequences_per_step × anchors_per_sequence × block_size``."""
-    get = config.get if isinstance(config, dict) else config.__getattribute__
-    return get("sequences_per_step") * get("anchors_per_sequence") * get("block_size")
+    values = config if isinstance(config, dict) else vars(config)
+    return values["sequences_per_step"] * values["anchors_per_sequence"] * values["block_size"]
 
 
 def point(positions: int, step: int, validation: dict) -> dict:
