@@ -1,7 +1,8 @@
 """Helpers shared by the test modules: tiny random Llama targets, the "cycle" target and drafter, a CPU SPS curve.
 
-They are plain functions (``from conftest import tiny_llama``; pytest puts ``tests/`` on ``sys.path``) plus
-the ``one_thread`` fixture, which a module opts into with ``pytestmark = pytest.mark.usefixtures("one_thread")``.
+They are plain functions (``from conftest import tiny_llama``; pytest puts ``tests/`` on ``sys.path``) plus two
+fixtures: ``one_thread``, which a module opts into with ``pytestmark = pytest.mark.usefixtures("one_thread")``, and
+``forward_calls``, which counts the forward passes of the module's ``target`` fixture.
 Every builder seeds torch itself, so a module gets the same weights whichever test builds them first.
 """
 
@@ -19,6 +20,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def forward_calls(target):
+    """One entry per forward pass of ``target`` (the requesting module's fixture): checks that an invalid call
+    fails before any compute."""
+    calls = []
+    handle = target.register_forward_pre_hook(lambda module, args: calls.append(1))
+    yield calls
+    handle.remove()
 
 
 # ------------------------------------------------------------------------------------ tiny Llama

@@ -347,15 +347,6 @@ def test_return_dict_in_generate(target, drafters, prompts, references, mode):
 
 
 # ------------------------------------------------------------------------------ errors first
-@pytest.fixture
-def forward_calls(target):
-    """Counts target forward passes, to check that invalid calls fail before any compute."""
-    calls = []
-    handle = target.register_forward_pre_hook(lambda module, args: calls.append(1))
-    yield calls
-    handle.remove()
-
-
 def _raises_before_compute(forward_calls, match, call):
     with pytest.raises(ValueError, match=match):
         call()

@@ -57,14 +57,6 @@ def references(target, prompts):
     return [target.generate(p, max_new_tokens=MAX_NEW, do_sample=False) for p in prompts]
 
 
-@pytest.fixture
-def forward_calls(target):
-    calls = []
-    handle = target.register_forward_pre_hook(lambda module, args: calls.append(1))
-    yield calls
-    handle.remove()
-
-
 def dspark(target, prompt, drafter, mode="fixed", gamma=7, max_new=MAX_NEW, **kwargs):
     return target.generate(prompt, max_new_tokens=max_new, do_sample=False, assistant_model=drafter,
                            dspark_verification=mode, dspark_block_size=gamma, dspark_threshold=0.5, **kwargs)
