@@ -3,7 +3,7 @@
 Runs the CLI once per prompt and verification mode, exactly as a user would, and writes the per-prompt
 records and the medians as JSON:
 
-    python scripts/compare_generate.py --n 10 --modes scheduler,async --out docs/compare.json
+    python scripts/compare_generate.py --n 10 --modes scheduler,async --threads 2 --out docs/compare.json
 
 Prompts: the first ``n`` chat prompts of the held-out ``test`` split (conversations never trained,
 validated or calibrated on) whose chat-formatted ids fit 320 tokens, as in ``dspark bench``.
@@ -32,10 +32,12 @@ def held_out_prompts(n: int) -> list[tuple[str, str]]:
     return [(record_id, text) for record_id, text in texts["chat"] if record_id in kept]
 
 
-def compare(prompt: str, mode: str, max_new_tokens: int, drafter: str | None, device: str = "cpu") -> dict:
-    """One ``dspark generate --compare --json`` run (greedy), by this interpreter."""
+def compare(prompt: str, mode: str, max_new_tokens: int, drafter: str | None, device: str = "cpu",
+            threads: int = 1) -> dict:
+    """One ``dspark generate --compare --json`` run (greedy), by this interpreter, with ``threads`` torch threads."""
     command = [sys.executable, "-m", "dspark_hf.cli", "generate", prompt, "--compare", "--json", "--verify", mode,
-               "--max-new-tokens", str(max_new_tokens), "--device", device] + (["--drafter", drafter] if drafter else [])
+               "--max-new-tokens", str(max_new_tokens), "--device", device, "--threads", str(threads)]
+    command += ["--drafter", drafter] if drafter else []
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -47,6 +49,7 @@ def main(argv=None):
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--drafter", default=None, help="default: the shipped drafter")
     parser.add_argument("--device", default="cpu", help="e.g. cuda")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads of each run (as dspark generate)")
     parser.add_argument("--out", default="docs/compare.json")
     args = parser.parse_args(argv)
     prompts = held_out_prompts(args.n)
@@ -54,7 +57,7 @@ def main(argv=None):
     for mode in args.modes.split(","):
         runs = []
         for record_id, text in prompts:
-            run = {"id": record_id} | {k: v for k, v in compare(text, mode, args.max_new_tokens, args.drafter, args.device).items() if k != "text"}
+            run = {"id": record_id} | {k: v for k, v in compare(text, mode, args.max_new_tokens, args.drafter, args.device, args.threads).items() if k != "text"}
             print(json.dumps(run), flush=True)
             runs.append(run)
         result["modes"][mode] = {
