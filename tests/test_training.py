@@ -28,7 +28,7 @@ from dspark_hf.cli.main import main as cli_main
 from dspark_hf.decoding.targets import load_default_target
 from dspark_hf.modeling.configuration_dspark import spread_layer_ids
 from dspark_hf.training import trainer as training
-from dspark_hf.training.curve import inherited_curve
+from dspark_hf.training.curve import inherited_curve, run_curve
 from dspark_hf.training.data import chat_ids, export_tokens, load_shards, prepare_data, reply_ids
 from dspark_hf.training.trainer import (
     FeatureBatcher,
@@ -435,3 +435,16 @@ def test_a_drafter_without_a_curve_passes_on_its_final_validation(tmp_path):
     assert inherited_curve(tmp_path) == [{"positions": 1500 * 1344, "step": 1500, "greedy_tau": 1.48,
                                           "greedy_survival_1": 0.33}]
     assert inherited_curve(None) == [] and inherited_curve(tmp_path / "missing") == []
+
+
+def test_the_curve_ends_at_the_final_validation(tmp_path):
+    """A run that max_minutes stopped between two evaluations: its final validation is the curve's last point;
+    one stopped at an evaluation step is not counted twice."""
+    val = lambda tau: {"greedy_tau": tau, "greedy_survival": [tau - 1.0]}  # noqa: E731
+    log = [{"step": 0, "validation": val(1.1)}, {"step": 1}, {"step": 2, "validation": val(1.2)}, {"step": 3}]
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    cfg = TrainConfig(sequences_per_step=2, anchors_per_sequence=3, block_size=4)
+    taus = lambda points: [(p["step"], p["positions"], p["greedy_tau"]) for p in points]  # noqa: E731
+    assert taus(run_curve(tmp_path / "log.jsonl", cfg, (3, val(1.3)))) == [(0, 0, 1.1), (2, 48, 1.2), (3, 72, 1.3)]
+    assert taus(run_curve(tmp_path / "log.jsonl", cfg, (2, val(1.2)))) == [(0, 0, 1.1), (2, 48, 1.2)]
+    assert taus(run_curve(tmp_path / "log.jsonl", cfg)) == [(0, 0, 1.1), (2, 48, 1.2)]

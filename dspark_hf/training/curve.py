@@ -33,17 +33,18 @@ def inherited_curve(init_from: str | Path | None) -> list[dict]:
     return [point(record["steps"] * positions_per_step(record["config"]), record["steps"], record["validation"])]
 
 
-def run_curve(log_path: str | Path, cfg: TrainConfig) -> list[dict]:
+def run_curve(log_path: str | Path, cfg: TrainConfig, final: tuple[int, dict] | None = None) -> list[dict]:
     """The curve of a run: the inherited one (``cfg.init_from``), then each validation of the run's ``log.jsonl``
-    with positions counted on from where the inherited curve ends (steps too: they are the drafter's total)."""
+    with positions counted on from where the inherited curve ends (steps too: they are the drafter's total), then
+    ``final = (step, validation)``, the run's final validation, where the log has none at that step (a run that
+    ``max_minutes`` stopped between two evaluations)."""
     inherited = inherited_curve(cfg.init_from)
     start_positions, start_step = (inherited[-1]["positions"], inherited[-1]["step"]) if inherited else (0, 0)
     per_step = positions_per_step(cfg)
     points = list(inherited)
-    for line in Path(log_path).read_text().splitlines():
-        record = json.loads(line)
-        validation = record.get("validation")
-        if validation is None or (inherited and record["step"] == 0):  # step 0 of a warm start repeats the last point
-            continue
-        points.append(point(start_positions + record["step"] * per_step, start_step + record["step"], validation))
+    records = [json.loads(line) for line in Path(log_path).read_text().splitlines()]
+    for step, validation in [(r["step"], r.get("validation")) for r in records] + ([final] if final else []):
+        if validation is None or (points and start_step + step <= points[-1]["step"]):  # step 0 of a warm start
+            continue  # repeats the inherited point; the final validation repeats a logged one at an eval step
+        points.append(point(start_positions + step * per_step, start_step + step, validation))
     return points

@@ -388,10 +388,11 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
     final = out / "final"
     if main:
         drafter.save_pretrained(final, max_shard_size=MAX_SHARD_SIZE)
+        validation = evaluate(drafter, val_batches, weights, cfg.loss_weights)
         (final / "training.json").write_text(
             json.dumps({"command": command, "processes": world, "steps": step, "minutes": (time.perf_counter() - start) / 60,
-                        "config": asdict(cfg), "validation": evaluate(drafter, val_batches, weights, cfg.loss_weights),
-                        "curve": run_curve(out / "log.jsonl", cfg)}, indent=2)
+                        "config": asdict(cfg), "validation": validation,
+                        "curve": run_curve(out / "log.jsonl", cfg, (step, validation))}, indent=2)
         )
     accelerator.wait_for_everyone()  # the final folder exists for every process that returns it
     return final
@@ -418,11 +419,8 @@ def _malloc_trim():
 def _save_checkpoint(drafter, optimizer, generator, step, elapsed, ckpt: Path):
     tmp = ckpt.with_name("checkpoint.partial")
     drafter.save_pretrained(tmp, max_shard_size=MAX_SHARD_SIZE)
-    torch.save(
-        {"optimizer": optimizer.state_dict(),
-         "generator": generator.get_state(), "step": step, "elapsed": elapsed},
-        tmp / "state.pt",
-    )
+    torch.save({"optimizer": optimizer.state_dict(), "generator": generator.get_state(), "step": step,
+                "elapsed": elapsed}, tmp / "state.pt")
     if ckpt.exists():
         for f in ckpt.iterdir():
             f.unlink()
