@@ -85,16 +85,25 @@ def test_shipped_drafter_is_lossless_with_both_schedulers(default_target):
         assert drafter.last_stats.verification == "scheduler"
 
 
+def _budget_used(record: dict) -> str | None:
+    """What ended a run of ``training.json`` ``record``: ``"steps"`` (all of them), ``"minutes"`` (``max_minutes``
+    first: the runs trained side by side for the same time), ``None`` (stopped early)."""
+    if record["steps"] == record["config"]["steps"]:
+        return "steps"
+    return "minutes" if record["minutes"] >= record["config"]["max_minutes"] else None
+
+
 @pytest.mark.parametrize("name, head", [("dspark-rnn", "rnn"), ("dflash", "none")])
 def test_ablation_drafters_match_the_shipped_budget_and_are_lossless(default_target, name, head):
-    """The bench's baselines: same pipeline, data, seed and CPU budget as the shipped drafter; only the head differs."""
+    """The bench's baselines: same pipeline, data, seed and CPU budget (steps, or minutes side by side) as the shipped
+    drafter; only the head differs."""
     model, tokenizer = default_target
     folder = SHIPPED.parent.parent / "ablations" / f"{name}-smollm2-135m-instruct"
     shipped, ablation = (json.loads((f / "training.json").read_text()) for f in (SHIPPED, folder))
     same = ("data_dir", "replies", "labels", "draft_vocab_size", "block_size", "num_hidden_layers", "seed", "lr",
-            "steps", "sequences_per_step", "anchors_per_sequence", "loss_weights", "mixed_precision")
+            "steps", "max_minutes", "sequences_per_step", "anchors_per_sequence", "loss_weights", "mixed_precision")
     assert {k: ablation["config"][k] for k in same} == {k: shipped["config"][k] for k in same}
-    assert ablation["steps"] == shipped["steps"] == shipped["config"]["steps"]  # the same budget, all of it used
+    assert _budget_used(ablation) == _budget_used(shipped) is not None  # the same budget, all of it used
     drafter = DSparkDrafter.from_pretrained(folder)
     assert drafter.config.sequential_head == head
     assert (drafter.calibration is not None) == (head != "none")  # the parallel baseline has no confidence head
