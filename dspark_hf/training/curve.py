@@ -42,9 +42,10 @@ def run_curve(log_path: str | Path, cfg: TrainConfig, final: tuple[int, dict] | 
     start_positions, start_step = (inherited[-1]["positions"], inherited[-1]["step"]) if inherited else (0, 0)
     per_step = positions_per_step(cfg)
     points = list(inherited)
-    records = [json.loads(line) for line in Path(log_path).read_text().splitlines()]
-    for step, validation in [(r["step"], r.get("validation")) for r in records] + ([final] if final else []):
-        if validation is None or (points and start_step + step <= points[-1]["step"]):  # step 0 of a warm start
-            continue  # repeats the inherited point; the final validation repeats a logged one at an eval step
+    records = map(json.loads, Path(log_path).read_text().splitlines())
+    logged = [(r["step"], r["validation"]) for r in records if "validation" in r]
+    for step, validation in logged + ([final] if final else []):
+        if points and start_step + step <= points[-1]["step"]:  # a warm start's step 0 repeats the inherited point,
+            continue  # a final validation at an evaluation step the logged one
         points.append(point(start_positions + step * per_step, start_step + step, validation))
     return points

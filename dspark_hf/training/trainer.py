@@ -330,7 +330,7 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
     drafter.train()
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    step, elapsed = 0, 0.0
+    step, elapsed, validated = 0, 0.0, (None, None)
     if (ckpt / "state.pt").is_file():
         state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
@@ -378,6 +378,7 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
         record |= {"tau_est": expected_tau(parts["accept"]), "greedy_tau": 1.0 + float(parts["greedy"].sum())}
         if step % cfg.eval_every == 0 or step == cfg.steps:
             record["validation"] = evaluate(drafter, val_batches, weights, cfg.loss_weights)
+            validated = (step, record["validation"])  # the final validation when the loop ends here
         log.write(json.dumps(record) + "\n")
         log.flush()
         if step % cfg.save_every == 0:
@@ -388,7 +389,7 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
     final = out / "final"
     if main:
         drafter.save_pretrained(final, max_shard_size=MAX_SHARD_SIZE)
-        validation = evaluate(drafter, val_batches, weights, cfg.loss_weights)
+        validation = validated[1] if validated[0] == step else evaluate(drafter, val_batches, weights, cfg.loss_weights)
         (final / "training.json").write_text(
             json.dumps({"command": command, "processes": world, "steps": step, "minutes": (time.perf_counter() - start) / 60,
                         "config": asdict(cfg), "validation": validation,
