@@ -8,6 +8,9 @@
   ``dspark_*`` settings without a DSpark drafter are rejected.
 * Targets: an int8 lm_head is refused at bind; int8 decoder layers work; bfloat16 keeps what the README
   promises; ``inference_mode``, ``no_grad`` and the ``text-generation`` pipeline work on the first call.
+* Issue 25: stateful logits processors (classifier-free guidance, SynthID) are refused before any compute; a
+  pre-filled cache (40 or 10 of 45 prompt tokens, a chat's second turn) gives plain generate's output; in bf16 and
+  fp16 the q each draft is sampled from is the q speculative sampling divides by.
 """
 
 import copy
@@ -27,7 +30,18 @@ from test_generation import (
     sampling_drafter,
 )
 from tokenizers import Tokenizer, decoders, models
-from transformers import PreTrainedTokenizerFast, StoppingCriteria, StoppingCriteriaList, pipeline
+from transformers import (
+    DynamicCache,
+    LogitsProcessorList,
+    PreTrainedTokenizerFast,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    SynthIDTextWatermarkingConfig,
+    WatermarkingConfig,
+    pipeline,
+)
+from transformers.generation import utils as generation_utils
+from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
 
 import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
 from dspark_hf import DSparkConfig, DSparkDrafter, prepack_linears
@@ -381,3 +395,113 @@ def test_supported_range_is_the_declared_dependency():
 
     pyproject = (Path(dspark_hf.__file__).resolve().parent.parent / "pyproject.toml").read_text()
     assert f'"transformers{SUPPORTED_TRANSFORMERS}"' in pyproject
+
+
+# ------------------------------------------------- 3. stateful processors, pre-filled caches, half precision (issue 25)
+@pytest.mark.parametrize(("option", "reason"), [
+    (lambda target: {"guidance_scale": 1.5}, r"guidance_scale.*own KV cache.*one call per emitted token"),
+    (lambda target: {"logits_processor": LogitsProcessorList([UnbatchedClassifierFreeGuidanceLogitsProcessor(1.5, target)])},
+     r"guidance_scale"),
+    (lambda target: {"watermarking_config": SynthIDTextWatermarkingConfig(keys=[11, 22, 33], ngram_len=2)},
+     r"SynthIDTextWatermarkingConfig.*across calls"),
+], ids=["guidance_scale", "user_cfg_processor", "synthid"])
+def test_stateful_processors_raise_before_compute(target, drafter, prompts, forward_calls, option, reason):
+    """The issue's case: guidance_scale=1.5 (greedy) gave another text than plain generate, silently."""
+    with pytest.raises(ValueError, match=reason):
+        dspark(target, prompts[1], drafter, **option(target))
+    assert not forward_calls, "the target ran before the error"
+
+
+def test_stateless_watermark_stays_identical(target, drafter, prompts, references):
+    """The green-list watermark reseeds from the ids on every call: a function of (ids, scores), so it is allowed."""
+    watermark = WatermarkingConfig(bias=2.5, context_width=1)
+    for prompt in prompts[:4]:
+        plain = target.generate(prompt, max_new_tokens=MAX_NEW, do_sample=False, watermarking_config=watermark)
+        assert_greedy_identical(target, dspark(target, prompt, drafter, watermarking_config=watermark), plain, "watermark")
+
+
+# A chat prompt of 45 tokens whose first 40 (or 10) are in a DynamicCache: plain generate feeds the uncached tokens at
+# their positions; DSpark used to feed all 45 on top of the cache (another first token). A context-sensitive random
+# target and an untrained drafter: the identity must come from the verification alone.
+@pytest.fixture(scope="module")
+def chat_setup():
+    target = tiny_llama(CYCLE_VOCAB, 32, 2, seed=3, initializer_range=0.1)
+    torch.manual_seed(9)
+    drafter = DSparkDrafter(DSparkConfig.for_target(target, target_layer_ids=[0], num_hidden_layers=1,
+                                                    sequential_rank=8, mask_token_id=0)).eval()
+    prompt = torch.randint(1, CYCLE_VOCAB, (1, 45), generator=torch.Generator().manual_seed(7))
+    return target, drafter, prompt
+
+
+def prefilled(target, ids) -> DynamicCache:
+    cache = DynamicCache(config=target.config)
+    with torch.no_grad():
+        target(ids, cache=cache)
+    return cache
+
+
+@pytest.mark.parametrize("cached", [40, 10])
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_prefilled_cache_gives_plain_generate_output(chat_setup, cached, name):
+    target, drafter, prompt = chat_setup
+    uncached = target.generate(prompt, max_new_tokens=MAX_NEW, do_sample=False)
+    plain = target.generate(prompt, max_new_tokens=MAX_NEW, do_sample=False, cache=prefilled(target, prompt[:, :cached]))
+    assert torch.equal(plain, uncached)  # the premise: plain generate over the cache equals the no-cache output
+    cache = prefilled(target, prompt[:, :cached])
+    ours = dspark(target, prompt, drafter, **{name: cache})
+    assert torch.equal(ours, plain)
+    assert cache.get_seq_length() == ours.shape[1] - 1  # the cache holds the sequence, as plain generate leaves it
+
+
+def test_chat_continued_with_the_returned_cache(chat_setup):
+    """The common case: the second turn of a chat passes the cache the first ``generate`` returned."""
+    target, drafter, prompt = chat_setup
+    first = dspark(target, prompt[:, :30], drafter, return_dict_in_generate=True)
+    ids = torch.cat([first.sequences, prompt[:, 30:]], dim=-1)
+    plain = target.generate(ids, max_new_tokens=MAX_NEW, do_sample=False)
+    assert torch.equal(dspark(target, ids, drafter, cache=first.cache), plain)
+
+
+def test_cache_with_only_the_new_ids_is_refused(chat_setup):
+    target, drafter, prompt = chat_setup
+    cache = prefilled(target, prompt[:, :40])
+    calls = []
+    handle = target.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match="ids of the whole sequence"):
+            dspark(target, prompt[:, 40:], drafter, cache=cache, attention_mask=torch.ones_like(prompt))
+    finally:
+        handle.remove()
+    assert not calls and cache.get_seq_length() == 40
+
+
+# bf16 / fp16, do_sample=True, top_k=0: the q each draft is sampled from must be the q speculative sampling divides by.
+# Issue 25: the drafter sampled from a float32 softmax and returned bf16 logits, whose softmax differs by ~1e-3
+# (relative, at the drafted token); the same tensor gives float32 round-off (a batched vs a single-row softmax).
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_sampling_divides_by_the_sampled_q(chat_setup, monkeypatch, dtype):
+    target, drafter, prompt = chat_setup
+    half, half_drafter = copy.deepcopy(target).to(dtype), copy.deepcopy(drafter).to(dtype)
+    sampled, used, drafted = [], [], []
+    multinomial, speculative_sampling = torch.multinomial, generation_utils._speculative_sampling
+
+    def recording_multinomial(probs, *args, **kwargs):
+        if probs.dim() == 1:  # the drafter's draws (transformers' residual draw is [1, V])
+            sampled.append(probs.clone())
+        return multinomial(probs, *args, **kwargs)
+
+    def recording_speculative_sampling(candidate_input_ids, candidate_logits, candidate_length, *args, **kwargs):
+        used.extend(candidate_logits.softmax(dim=-1)[0])  # as transformers computes q
+        drafted.extend(candidate_input_ids[0, -candidate_length:])
+        return speculative_sampling(candidate_input_ids, candidate_logits, candidate_length, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "multinomial", recording_multinomial)
+    monkeypatch.setattr(generation_utils, "_speculative_sampling", recording_speculative_sampling)
+    torch.manual_seed(0)
+    half.generate(prompt[:, :8], max_new_tokens=MAX_NEW, do_sample=True, top_k=0, assistant_model=half_drafter,
+                  dspark_verification="fixed", dspark_block_size=4)
+    assert half_drafter.dtype == dtype and len(used) == len(sampled) >= 8  # fixed mode: every draft is verified
+    q_used, q_sampled, tokens = torch.stack(used).double(), torch.stack(sampled).double(), torch.stack(drafted)
+    rows = torch.arange(len(tokens))
+    assert (q_used[rows, tokens] / q_sampled[rows, tokens] - 1).abs().max() < 1e-6
+    assert (q_used.sum(-1) - 1).abs().max() < 1e-6

@@ -192,3 +192,41 @@ def test_a_typo_under_an_existing_folder_is_local(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="runs/drafte"):
         check_local_path("runs/drafte")
     check_local_path(str(tmp_path / "runs"))  # exists: nothing to say
+
+
+def test_guidance_scale_is_refused_before_compute(default_target):
+    """Issue 25: guidance_scale=1.5, greedy, 32 tokens gave "There is no specific rule ..." against plain generate's
+    "There are 1 + 1 + 1 ...", silently (classifier-free guidance keeps its own cache across calls)."""
+    model, tokenizer = default_target
+    calls = []
+    handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match="guidance_scale"):
+            _greedy(model, tokenizer, "Count from 1 to 20.", guidance_scale=1.5,
+                    assistant_model=DSparkDrafter.from_pretrained(SHIPPED))
+    finally:
+        handle.remove()
+    assert not calls
+
+
+@pytest.mark.parametrize("cached", [40, 10])
+def test_prefilled_chat_cache_gives_plain_generate_output(default_target, cached):
+    """Issue 25: 40 of 45 chat tokens cached; DSpark answered "The sea is a vast ..." where plain generate over the same
+    cache (and without one) answers "The waves of the sea, ..."."""
+    from transformers import DynamicCache
+
+    model, tokenizer = default_target
+    ids = torch.tensor([chat_ids(tokenizer, "Write a short poem about the sea. Use simple words and four lines.")])
+    assert ids.shape[1] == 45
+
+    def prefilled():
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ids[:, :cached], cache=cache)
+        return cache
+
+    plain = model.generate(ids, max_new_tokens=16, do_sample=False, cache=prefilled())
+    assert tokenizer.decode(plain[0, 45:]).startswith("The waves of the sea")
+    out = model.generate(ids, max_new_tokens=16, do_sample=False, cache=prefilled(),
+                         assistant_model=DSparkDrafter.from_pretrained(SHIPPED))
+    assert torch.equal(out, plain)

@@ -63,8 +63,12 @@ class PackedWeight:
         """``F.linear(x, weight, bias)`` (``x`` ``[..., in]`` -> ``[..., out]``) through the packed copy.
 
         Falls back to ``F.linear`` when autograd is recording (weight or input requires grad) or the weight is no
-        longer packable (moved off the CPU, another dtype); repacks a weight changed since packing.
+        longer packable (moved off the CPU, another dtype); repacks a weight changed since packing. Under
+        ``torch.compile`` it is ``F.linear`` (inductor cannot lower ``mkldnn._linear_pointwise`` on a packed copy, and
+        packs weights itself when freezing), so a compiled target computes what a ``prepack=False`` one does.
         """
+        if torch.compiler.is_compiling():
+            return F.linear(x, weight, bias)
         if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):  # training: keep autograd
             return F.linear(x, weight, bias)
         if self.key != _weight_key(weight):

@@ -5,11 +5,14 @@ transformers has no public argument for a custom candidate generator, so :func:`
 Every other assistant keeps transformers' own behaviour untouched.
 
 * ``_get_candidate_generator``: a DSpark drafter gets
-  :class:`~dspark_hf.decoding.candidate_generator.DSparkCandidateGenerator`;
+  :class:`~dspark_hf.decoding.candidate_generator.DSparkCandidateGenerator`, after the final logits processor list
+  is checked for stateful processors (:func:`~dspark_hf.decoding.settings._reject_stateful_processors`);
 * ``_validate_generation_mode``: ``dspark_*`` settings and unsupported assistant options are refused before any
   compute (:mod:`dspark_hf.decoding.settings`), the drafter is bound to the target, and a ``trust_remote_code``
   copy of the drafter class is swapped for this package's (:func:`package_drafter`);
-* ``_assisted_decoding``: stop strings and custom criteria see every token (:mod:`dspark_hf.decoding.stopping`).
+* ``_assisted_decoding``: a user's pre-filled cache is emptied so the whole prompt is prefilled
+  (:func:`restart_prefilled_cache`); stop strings and custom criteria see every token
+  (:mod:`dspark_hf.decoding.stopping`).
 
 Version window: transformers ``>=5.24,<6`` (:data:`SUPPORTED_TRANSFORMERS`). The wrappers bind the stock
 methods' arguments BY NAME; the parameters they read are checked at import (:data:`_REQUIRED_PARAMETERS`),
@@ -35,6 +38,7 @@ from .candidate_generator import DSparkCandidateGenerator
 from .settings import (
     DSPARK_GENERATE_KWARGS,
     _reject_dspark_settings_without_drafter,
+    _reject_stateful_processors,
     _validate_dspark_call,
     call_block_size,
 )
@@ -104,6 +108,7 @@ def package_drafter(remote) -> DSparkDrafter:
 def _get_candidate_generator(self, *args, **kwargs):
     call = _SIGNATURES["_get_candidate_generator"].bind(self, *args, **kwargs).arguments
     if isinstance(call.get("assistant_model"), DSparkDrafter):
+        _reject_stateful_processors(call["logits_processor"])
         return DSparkCandidateGenerator(
             self, call["assistant_model"], call["generation_config"], call["logits_processor"], call["input_ids"]
         )
@@ -126,6 +131,33 @@ def _validate_generation_mode(self, *args, **kwargs):
     return _STOCK["_validate_generation_mode"](self, *args, **kwargs)
 
 
+def restart_prefilled_cache(model_kwargs: dict, input_ids) -> None:
+    """Empty a user's pre-filled cache (``generate(cache=...)`` or ``past_key_values=``, e.g. the cache a previous
+    ``generate`` returned) so that DSpark prefills the whole prompt: transformers' assisted loop feeds all of
+    ``input_ids`` in its first forward (on top of a pre-filled cache that would put them after the cached positions),
+    and the drafter needs the target's features of every prompt position. The cached prefix is recomputed once;
+    the output is that of plain ``generate`` with the same cache, and the cache holds the whole sequence afterwards.
+
+    Args:
+        model_kwargs: ``generate``'s model kwargs (``cache``, ``attention_mask``).
+        input_ids: ``[1, L]`` the prompt.
+
+    Raises:
+        ValueError: ``input_ids`` holds only the uncached tokens (the cache covers ``>= L`` positions, or the
+            attention mask is longer than ``input_ids``): pass the whole sequence's ids, cached prefix included.
+    """
+    cache = model_kwargs.get("cache")
+    cached = cache.get_seq_length() if cache is not None else 0
+    if not cached:
+        return
+    mask = model_kwargs.get("attention_mask")
+    if cached >= input_ids.shape[1] or (mask is not None and mask.shape[-1] != input_ids.shape[1]):
+        raise ValueError(f"The cache passed to generate holds {cached} positions and input_ids {input_ids.shape[1]}: "
+                         "with a DSpark drafter, pass the ids of the whole sequence (the cached prefix included) as "
+                         "input_ids; DSpark rebuilds the drafter's context from them.")
+    cache.crop(-cached)
+
+
 @functools.wraps(_STOCK["_assisted_decoding"])
 def _assisted_decoding(self, *args, **kwargs):
     """transformers' assisted loop; with a DSpark drafter and criteria beyond max length / EOS / max time,
@@ -133,6 +165,8 @@ def _assisted_decoding(self, *args, **kwargs):
     call = _SIGNATURES["_assisted_decoding"].bind(self, *args, **kwargs)
     arguments = call.arguments
     drafter, criteria = arguments.get("assistant_model"), arguments["stopping_criteria"]
+    if isinstance(drafter, DSparkDrafter):
+        restart_prefilled_cache(arguments.get("model_kwargs", {}), arguments["input_ids"])
     if not isinstance(drafter, DSparkDrafter) or all(isinstance(c, ROUND_EXACT_CRITERIA) for c in criteria):
         return _STOCK["_assisted_decoding"](*call.args, **call.kwargs)
     input_ids, config = arguments["input_ids"], arguments["generation_config"]

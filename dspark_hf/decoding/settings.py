@@ -1,4 +1,5 @@
-"""The ``dspark_*`` keyword arguments of ``generate`` and the transformers assistant options DSpark refuses.
+"""The ``dspark_*`` keyword arguments of ``generate`` and the transformers options and logits processors DSpark
+refuses.
 
 Read by :class:`~dspark_hf.decoding.candidate_generator.DSparkCandidateGenerator` and checked by the routing
 (:mod:`dspark_hf.decoding.routing`) before any compute.
@@ -7,6 +8,12 @@ Read by :class:`~dspark_hf.decoding.candidate_generator.DSparkCandidateGenerator
 from __future__ import annotations
 
 from transformers import GenerationConfig
+from transformers.generation.logits_process import (
+    DiaEOSDelayPatternLogitsProcessor,
+    SynthIDTextWatermarkLogitsProcessor,
+    UnbatchedClassifierFreeGuidanceLogitsProcessor,
+    WhisperNoSpeechDetection,
+)
 from transformers.generation.utils import GenerationMode
 
 from ..modeling.configuration_dspark import MAX_BLOCK_SIZE, is_int
@@ -59,6 +66,42 @@ def _unsupported_assistant_options(generation_config) -> list[str]:
     if getattr(g, "use_mtp", None):
         problems.append("use_mtp: MTP heads are another drafter; drop assistant_model to use them")
     return problems
+
+
+# transformers' logits processors whose output depends on the calls before (state kept across calls, one call per
+# emitted token assumed). DSpark calls the list on drafted positions and once per verified position, rejected ones
+# included, so these would silently change the output. Each: why, and the fix.
+STATEFUL_PROCESSORS = {
+    UnbatchedClassifierFreeGuidanceLogitsProcessor: (
+        "guidance_scale (classifier-free guidance): the processor keeps its own KV cache of the unconditional "
+        "branch and advances it once per call, assuming one call per emitted token; drop guidance_scale (or "
+        "assistant_model)"),
+    SynthIDTextWatermarkLogitsProcessor: (
+        "watermarking_config=SynthIDTextWatermarkingConfig: the processor keeps the last n-gram and the contexts "
+        "seen so far across calls; drop the SynthID watermark (or assistant_model). WatermarkingConfig (green list, "
+        "stateless) works"),
+    WhisperNoSpeechDetection: (
+        "WhisperNoSpeechDetection: records the no-speech probability of its first call; drop assistant_model"),
+    DiaEOSDelayPatternLogitsProcessor: (
+        "DiaEOSDelayPatternLogitsProcessor: remembers across calls which sequences emitted EOS; drop assistant_model"),
+}
+
+
+def _reject_stateful_processors(logits_processor) -> None:
+    """Refuse, before any compute, a processor list (from the generation config and ``logits_processor=``) that holds
+    one of :data:`STATEFUL_PROCESSORS`.
+
+    DSpark calls every processor on the drafted positions (drafter) and once per verified position (target), so a
+    processor must be a function of ``(input_ids, scores)`` alone; user-supplied processors cannot be checked and
+    carry that rule themselves (README, "What is guaranteed").
+
+    Raises:
+        ValueError: naming each stateful processor, why it breaks losslessness, and the fix.
+    """
+    problems = [why for p in logits_processor or () for cls, why in STATEFUL_PROCESSORS.items() if isinstance(p, cls)]
+    if problems:
+        raise ValueError("Logits processors that keep state across calls are not supported with a DSpark drafter "
+                         "(it calls them on drafted and on every verified position):\n- " + "\n- ".join(problems))
 
 
 def _validate_dspark_call(generation_mode, generation_config):

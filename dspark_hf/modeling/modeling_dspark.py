@@ -385,14 +385,13 @@ class DSparkDrafter(PreTrainedModel):
             if k < n_forced:
                 prev = forced[k]
                 if full_vocab:
-                    one_hot = F.one_hot(prev, self.config.vocab_size)  # as the drafted rows: float after processors
-                    logits.append(one_hot.to(torch.float32 if processors is not None else row.dtype).log())
-            elif full_vocab:
-                full = row.new_full((self.config.vocab_size,), float("-inf"))
-                full[self.draft_vocab] = row
+                    logits.append(F.one_hot(prev, self.config.vocab_size).float().log())
+            elif full_vocab:  # float32 in every dtype: the q sampled from is softmax of the very row returned
+                full = row.new_full((self.config.vocab_size,), float("-inf"), dtype=torch.float32)
+                full[self.draft_vocab] = row.float()
                 if processors is not None:
-                    full = processors(ids, full[None].float())[0]
-                prev = torch.multinomial(full.float().softmax(-1), 1, generator=generator)[0] if do_sample else full.argmax()
+                    full = processors(ids, full[None])[0]
+                prev = torch.multinomial(full.softmax(-1), 1, generator=generator)[0] if do_sample else full.argmax()
                 logits.append(full)
             else:
                 prev = self.draft_vocab[row.argmax()]

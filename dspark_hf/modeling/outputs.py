@@ -36,7 +36,8 @@ class DraftBlock:
     Attributes:
         tokens: ``[γ]`` target-vocabulary ids, sampled left to right from ``logits``.
         logits: ``[γ, V]`` full-vocabulary draft logits after the logits processors (``-inf`` outside
-            the draft vocabulary); sampling drew each token from ``softmax(logits[k])``. ``None`` for
+            the draft vocabulary), float32 whatever the drafter's dtype; sampling drew each token from
+            ``softmax(logits[k])``, the q that speculative sampling divides by. ``None`` for
             greedy drafting without logits processors (the argmax is taken in the draft vocabulary).
         confidences: ``[γ]`` raw conditional survival probabilities c_k (eq. 7), or ``None``.
     """
