@@ -410,10 +410,19 @@ def _lengths(shard_dir: Path):
     return ds["input_ids"], ds["prompt_len"]
 
 
-def load_shards(data_dir: str | Path, split: str) -> datasets.Dataset:
-    """All cached rows of one split, torch-formatted."""
-    shards = [datasets.load_from_disk(str(d)) for d in sorted(Path(data_dir).glob("shard-*"))]
+def shard_dirs(data_dir: str | Path) -> list[Path]:
+    """The complete shard folders under ``data_dir``, in order.
+
+    Raises:
+        FileNotFoundError: there is none (the message names the command that makes them).
+    """
+    shards = sorted(Path(data_dir).glob("shard-*"))
     if not shards:
         raise FileNotFoundError(f"no shards under {data_dir}; run `dspark train --prepare-only` first")
-    ds = datasets.concatenate_datasets(shards)
+    return shards
+
+
+def load_shards(data_dir: str | Path, split: str) -> datasets.Dataset:
+    """All cached rows of one split, torch-formatted."""
+    ds = datasets.concatenate_datasets([datasets.load_from_disk(str(d)) for d in shard_dirs(data_dir)])
     return ds.filter(lambda s: s == split, input_columns="split").with_format("torch")
