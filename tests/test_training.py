@@ -215,12 +215,13 @@ def _golden_rows():
     return rows
 
 
-def test_packing_matches_the_golden_batch():
+@pytest.mark.parametrize("resident", [False, True])
+def test_packing_matches_the_golden_batch(resident):
     """Drop-in: the vectorised packer gives, for seed 5, the batch the per-anchor packer of v0.x gave (recorded from
     it on these rows): the same rows and anchors drawn, zeros past a row's end and in the missing third anchor of
     the 5-token row, token ids mapped to draft-vocabulary rows (-1 outside)."""
     drafter = SimpleNamespace(vocab_index=torch.tensor([2, 0, 5, 1, 5, 5, 3, 4, 5, 5, 5]), draft_vocab=torch.arange(5))
-    batch = FeatureBatcher(FeatureStore(_golden_rows()), drafter, 3, torch.Generator().manual_seed(5)).sample(4, 3)
+    batch = FeatureBatcher(FeatureStore(_golden_rows(), resident=resident), drafter, 3, torch.Generator().manual_seed(5)).sample(4, 3)
     assert batch["anchors"].tolist() == [[2, 3, 0], [3, 4, 7], [5, 6, 8], [5, 6, 7]]  # rows 2, 0, 1, 0
     assert batch["features"][..., 0].tolist() == [[200, 201, 202, 203, 0, 0, 0, 0], list(range(8)),
                                                   list(range(100, 108)), list(range(8))]
@@ -261,6 +262,9 @@ def test_the_store_views_the_shard_files(tiny_data):
         assert torch.equal(store.topk_probs[start : start + k], row["topk_probs"])
     responses = torch.cat([r["input_ids"][int(r["prompt_len"]) :] for r in rows]).long()
     assert torch.equal(store.response_tokens(), torch.cat([responses, responses]))
+    resident = FeatureStore.from_shards([out], "train", resident=True)  # an accelerator's layout: one flat tensor
+    assert all(torch.equal(a, b) for a, b in zip(resident.features, store.features))
+    assert resident.features[1].data_ptr() == resident.features[0].data_ptr() + 2 * resident.features[0].numel()
     with pytest.raises(ValueError, match="expected n - 1 and n - prompt_len - 1"):
         FeatureStore([{**_golden_rows()[0], "prompt_len": 2}])
 
@@ -279,6 +283,8 @@ def test_smoke_training_lowers_validation_loss(tiny_data, tmp_path, mixed_precis
     assert last["loss"] < 0.8 * first["loss"]
     assert last["tau"] > first["tau"]
     assert (final / "model.safetensors").is_file() and (tmp_path / "run" / "checkpoint" / "state.pt").is_file()
+    record = json.loads((final / "training.json").read_text())
+    assert 60 * 4 * 6 * 4 / (60 * record["minutes"]) <= record["positions_per_s"] < 60 * 4 * 6 * 4 / log[-1]["time_s"]
     AcceleratorState._reset_state(reset_partial_state=True)
 
 

@@ -69,8 +69,9 @@ class FeatureStore:
         rows: dicts with ``input_ids`` ``[n]``, ``prompt_len``, ``features`` ``[n - 1, W]`` fp16, ``topk_ids`` /
             ``topk_probs`` ``[n - prompt_len - 1, K]`` (a list of row dicts, a ``datasets`` split, or
             :func:`mapped_rows`).
-        device: where the batches are built. On the CPU the features stay where they are (memory-mapped views);
-            elsewhere they are copied into one tensor on ``device`` (fp16, ``Σ (n - 1) × W × 2`` bytes).
+        device: where the batches are built.
+        resident: copy the features into one tensor on ``device`` (fp16, ``Σ (n - 1) × W × 2`` bytes); default: on
+            an accelerator. Otherwise they stay where they are (a CPU store's memory-mapped views).
 
     Attributes:
         features: one ``[n_r - 1, W]`` fp16 tensor per row.
@@ -82,8 +83,9 @@ class FeatureStore:
         ValueError: a row's features or top-K rows do not match its token count.
     """
 
-    def __init__(self, rows: Iterable[dict], device: str | torch.device = "cpu"):
+    def __init__(self, rows: Iterable[dict], device: str | torch.device = "cpu", resident: bool | None = None):
         self.device = torch.device(device)
+        self.resident = self.device.type != "cpu" if resident is None else resident
         rows = list(rows)
         self.n = [len(r["input_ids"]) for r in rows]
         self.p = [int(r["prompt_len"]) for r in rows]
@@ -102,16 +104,17 @@ class FeatureStore:
         self.topk_start = _starts([n - p - 1 for n, p in zip(self.n, self.p)], self.device)
 
     @classmethod
-    def from_shards(cls, data_dirs: list[str | Path], split: str, device: str | torch.device = "cpu") -> "FeatureStore":
+    def from_shards(cls, data_dirs: list[str | Path], split: str, device: str | torch.device = "cpu",
+                    resident: bool | None = None) -> "FeatureStore":
         """The rows of ``split`` in every folder of ``data_dirs`` (in that order), through :func:`mapped_rows`."""
-        return cls(itertools.chain.from_iterable(mapped_rows(d, split) for d in data_dirs), device)
+        return cls(itertools.chain.from_iterable(mapped_rows(d, split) for d in data_dirs), device, resident)
 
     def __len__(self) -> int:
         return len(self.n)
 
     def _features(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self.device.type == "cpu" or not parts:
-            return parts
+        if not self.resident or not parts:
+            return [part.to(self.device) for part in parts]
         flat = torch.empty(sum(map(len, parts)), parts[0].shape[-1], dtype=torch.float16, device=self.device)
         for part, view in zip(parts, views := list(flat.split([len(p) for p in parts]))):
             view.copy_(part)  # one row at a time: the host never holds a second copy

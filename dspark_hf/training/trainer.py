@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from ..modeling.configuration_dspark import DSparkConfig
 from ..modeling.modeling_dspark import DSparkDrafter
 from .config import TrainConfig
-from .curve import run_curve
+from .curve import positions_per_step, run_curve
 from .losses import dspark_loss, expected_tau, greedy_survival, position_weights, tv_distance  # noqa: F401 (re-exported)
 from .packing import FeatureBatcher, FeatureStore
 
@@ -196,9 +196,10 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
 
     Returns the folder of the final drafter (``out_dir/final``), loadable with
     ``DSparkDrafter.from_pretrained`` (safetensors shards of at most :data:`MAX_SHARD_SIZE`). A
-    ``log.jsonl`` records training and validation metrics; ``final/training.json`` the budget used, the
-    number of processes, the config, the final validation, ``command`` and the learning curve
-    (:func:`~dspark_hf.training.curve.run_curve`, a warm start's included).
+    ``log.jsonl`` records training and validation metrics; ``final/training.json`` the budget used, the draft
+    positions trained per second of the loop (``positions_per_s``), the number of processes, the config, the final
+    validation, ``command`` and the learning curve (:func:`~dspark_hf.training.curve.run_curve`, a warm start's
+    included). Batches are packed on the target's device (:mod:`~dspark_hf.training.packing`).
 
     Training runs on the target's device. Under ``accelerate launch`` each process calls this with the
     target on its own ``accelerator.device``; the processes split every global batch of
@@ -293,13 +294,14 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
         if step % TRIM_EVERY == 0:
             release_free_memory()
     bar.close()
+    trained_s = time.perf_counter() - start  # the loop's wall time, evaluations and checkpoints included
     final = out / "final"
     if main:
         drafter.save_pretrained(final, max_shard_size=MAX_SHARD_SIZE)
         validation = validated[1] if validated[0] == step else evaluate(drafter, val_batches, weights, cfg.loss_weights)
         (final / "training.json").write_text(
             json.dumps({"command": command, "processes": world, "steps": step, "minutes": (time.perf_counter() - start) / 60,
-                        "config": asdict(cfg), "validation": validation,
+                        "positions_per_s": step * positions_per_step(cfg) / max(trained_s, 1e-9), "config": asdict(cfg), "validation": validation,
                         "curve": run_curve(out / "log.jsonl", cfg, (step, validation))}, indent=2)
         )
     accelerator.wait_for_everyone()  # the final folder exists for every process that returns it
