@@ -17,7 +17,7 @@ import time
 
 import torch
 
-import dspark_hf
+from dspark_hf.decoding.targets import load_target
 from dspark_hf.training.config import TrainConfig
 from dspark_hf.training.curve import positions_per_step
 from dspark_hf.training.packing import FeatureBatcher, FeatureStore
@@ -33,6 +33,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="configs/gpu-smoke.yaml")
     p.add_argument("--data-dir", required=True)
+    p.add_argument("--target", help="target model (Hub id or folder); default: the bundled SmolLM2-135M-Instruct")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--sequences", type=int, help="sequences per step (default: the config's)")
@@ -45,7 +46,7 @@ def main():
     device = torch.device(args.device)
     overrides = {k: v for k, v in (("sequences_per_step", args.sequences), ("anchors_per_sequence", args.anchors)) if v}
     cfg = TrainConfig.from_yaml(args.config, data_dir=[args.data_dir], **overrides)
-    target, _ = dspark_hf.load_default_target(prepack=False)
+    target, _ = load_target(args.target, prepack=False)
     target.to(device)
     rows = FeatureStore.from_shards(cfg.data_dir, "train", device)  # on the device, as `train` holds it
     drafter = build_drafter(target, cfg, rows).to(device).train()
