@@ -215,13 +215,17 @@ def _golden_rows():
     return rows
 
 
-@pytest.mark.parametrize("resident", [False, True])
-def test_packing_matches_the_golden_batch(resident):
-    """Drop-in: the vectorised packer gives, for seed 5, the batch the per-anchor packer of v0.x gave (recorded from
-    it on these rows): the same rows and anchors drawn, zeros past a row's end and in the missing third anchor of
-    the 5-token row, token ids mapped to draft-vocabulary rows (-1 outside)."""
+@pytest.mark.parametrize(("device", "resident"), [("cpu", False), ("cpu", True), pytest.param(
+    "cuda", None, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_packing_matches_the_golden_batch(device, resident):
+    """Drop-in: the vectorised packer gives, for seed 5, the batch the per-anchor packer before issue #22 gave
+    (recorded from it on these rows), on any device: the same rows and anchors drawn, zeros past a row's end and in
+    the missing third anchor of the 5-token row, token ids mapped to draft-vocabulary rows (-1 outside)."""
     drafter = SimpleNamespace(vocab_index=torch.tensor([2, 0, 5, 1, 5, 5, 3, 4, 5, 5, 5]), draft_vocab=torch.arange(5))
-    batch = FeatureBatcher(FeatureStore(_golden_rows(), resident=resident), drafter, 3, torch.Generator().manual_seed(5)).sample(4, 3)
+    store = FeatureStore(_golden_rows(), device, resident=resident)
+    batch = FeatureBatcher(store, drafter, 3, torch.Generator().manual_seed(5)).sample(4, 3)
+    assert {t.device.type for t in batch.values()} == {device}  # built where the drafter trains
+    batch = {k: t.cpu() for k, t in batch.items()}
     assert batch["anchors"].tolist() == [[2, 3, 0], [3, 4, 7], [5, 6, 8], [5, 6, 7]]  # rows 2, 0, 1, 0
     assert batch["features"][..., 0].tolist() == [[200, 201, 202, 203, 0, 0, 0, 0], list(range(8)),
                                                   list(range(100, 108)), list(range(8))]
