@@ -1,5 +1,6 @@
 """Training: each loss term against hand-computed values, position weights, packing, a smoke run."""
 
+import copy
 import json
 import math
 import os
@@ -273,10 +274,12 @@ def test_the_store_views_the_shard_files(tiny_data):
         FeatureStore([{**_golden_rows()[0], "prompt_len": 2}])
 
 
-@pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
-def test_smoke_training_lowers_validation_loss(tiny_data, tmp_path, mixed_precision):
+@pytest.mark.parametrize(("mixed_precision", "device"), [("no", "cpu"), ("bf16", "cpu"), pytest.param(
+    "bf16", "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_smoke_training_lowers_validation_loss(tiny_data, tmp_path, mixed_precision, device):
     AcceleratorState._reset_state(reset_partial_state=True)  # one precision per process, as under `dspark train`
     target, out = tiny_data
+    target = copy.deepcopy(target).to(device)  # training runs, and packs, on the target's device
     cfg = TrainConfig(data_dir=[str(out)], out_dir=str(tmp_path / "run"), num_hidden_layers=1, sequential_rank=8,
                       block_size=4, num_context_layers=2, draft_vocab_size=None, mask_token_id=0, mixed_precision=mixed_precision,
                       steps=60, sequences_per_step=4, anchors_per_sequence=6, lr=3e-3, warmup_steps=5,
