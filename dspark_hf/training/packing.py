@@ -54,7 +54,7 @@ def _list_rows(array) -> tuple[torch.Tensor, list[int]]:
     storage = getattr(array, "storage", array)  # Array2D is an extension type over list<list<...>>
     offsets = storage.offsets.to_numpy()
     values = storage.flatten()  # the rows' values only (a sliced array starts at offsets[0])
-    rows, two_d = len(values), isinstance(values, pa.ListArray)  # Array2D: rows of fixed-width lists
+    rows, two_d = len(values), pa.types.is_list(values.type) or pa.types.is_fixed_size_list(values.type)  # Array2D
     flat = (values.flatten() if two_d else values).to_numpy(zero_copy_only=True)
     with warnings.catch_warnings():  # a read-only buffer: the store never writes to it
         warnings.simplefilter("ignore", UserWarning)
