@@ -1,5 +1,6 @@
 """Training: each loss term against hand-computed values, position weights, packing, a smoke run."""
 
+import copy
 import json
 import math
 import os
@@ -30,8 +31,8 @@ from dspark_hf.modeling.configuration_dspark import spread_layer_ids
 from dspark_hf.training import trainer as training
 from dspark_hf.training.curve import inherited_curve, run_curve
 from dspark_hf.training.data import chat_ids, export_tokens, load_shards, prepare_data, reply_ids
+from dspark_hf.training.packing import FeatureBatcher, FeatureStore
 from dspark_hf.training.trainer import (
-    FeatureBatcher,
     TrainConfig,
     dspark_loss,
     expected_tau,
@@ -187,7 +188,7 @@ def test_target_labels_are_the_targets_top1(tiny_data):
     """``labels="target"``: the cross-entropy label of each draft position is the target's top-1 (draft-vocab row),
     not the row's next token; everything else is packed as with ``labels="data"``."""
     target, out = tiny_data
-    rows = load_shards(out, "train")
+    rows = FeatureStore.from_shards([out], "train")
     drafter = DSparkDrafter(DSparkConfig.for_target(target, num_context_layers=2, num_hidden_layers=1, block_size=4,
                                                     mask_token_id=0))
     data, top1 = (FeatureBatcher(rows, drafter, 4, torch.Generator().manual_seed(5), labels).sample(6, 3)
@@ -202,10 +203,83 @@ def test_target_labels_are_the_targets_top1(tiny_data):
         TrainConfig(labels="argmax")
 
 
-@pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
-def test_smoke_training_lowers_validation_loss(tiny_data, tmp_path, mixed_precision):
+def _golden_rows():
+    """Three hand-built rows (n = 9, 12, 5 tokens after prompts of 3, 4, 2): features count positions (+100 per
+    row), the target's top-2 after token k are (next token, next token + 1) with probabilities (0.5..0.9, 0.05)."""
+    rows = []
+    for i, (n, p) in enumerate([(9, 3), (12, 4), (5, 2)]):
+        ids = (torch.arange(n) * 5 + 3 * i) % 11
+        nxt = ids[p + 1 :]
+        rows.append(dict(input_ids=ids, prompt_len=p, features=(torch.arange(n - 1.0) + 100 * i)[:, None].repeat(1, 2).half(),
+                         topk_ids=torch.stack([nxt, (nxt + 1) % 11], -1).int(),
+                         topk_probs=torch.stack([torch.linspace(0.5, 0.9, n - p - 1), torch.full((n - p - 1,), 0.05)], -1).half()))
+    return rows
+
+
+@pytest.mark.parametrize(("device", "resident"), [("cpu", False), ("cpu", True), pytest.param(
+    "cuda", None, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_packing_matches_the_golden_batch(device, resident):
+    """Drop-in: the vectorised packer gives, for seed 5, the batch the per-anchor packer before issue #22 gave
+    (recorded from it on these rows), on any device: the same rows and anchors drawn, zeros past a row's end and in
+    the missing third anchor of the 5-token row, token ids mapped to draft-vocabulary rows (-1 outside)."""
+    drafter = SimpleNamespace(vocab_index=torch.tensor([2, 0, 5, 1, 5, 5, 3, 4, 5, 5, 5]), draft_vocab=torch.arange(5))
+    store = FeatureStore(_golden_rows(), device, resident=resident)
+    batch = FeatureBatcher(store, drafter, 3, torch.Generator().manual_seed(5)).sample(4, 3)
+    assert {t.device.type for t in batch.values()} == {device}  # built where the drafter trains
+    batch = {k: t.cpu() for k, t in batch.items()}
+    assert batch["anchors"].tolist() == [[2, 3, 0], [3, 4, 7], [5, 6, 8], [5, 6, 7]]  # rows 2, 0, 1, 0
+    assert batch["features"][..., 0].tolist() == [[200, 201, 202, 203, 0, 0, 0, 0], list(range(8)),
+                                                  list(range(100, 108)), list(range(8))]
+    assert batch["tokens"].tolist() == [
+        [[5, 10, 4, 0], [10, 4, 0, 0], [0, 0, 0, 0]], [[4, 9, 3, 8], [9, 3, 8, 2], [2, 7, 0, 0]],
+        [[6, 0, 5, 10], [0, 5, 10, 4], [10, 4, 9, 3]], [[3, 8, 2, 7], [8, 2, 7, 0], [2, 7, 0, 0]]]
+    T, F = True, False
+    assert batch["valid"].tolist() == [[[T, T, F], [T, F, F], [F, F, F]], [[T, T, T], [T, T, T], [T, F, F]],
+                                       [[T, T, T], [T, T, T], [T, T, T]], [[T, T, T], [T, T, F], [T, F, F]]]
+    assert batch["labels"].tolist() == [
+        [[-1, -1, 2], [-1, 2, 2], [2, 2, 2]], [[-1, 1, -1], [1, -1, -1], [4, 2, 2]],
+        [[2, -1, -1], [-1, -1, -1], [-1, -1, 1]], [[-1, -1, 4], [-1, 4, 2], [4, 2, 2]]]
+    assert batch["target_ids"].tolist() == [
+        [[[-1, 2], [-1, -1], [2, 2]], [[-1, -1], [2, 2], [2, 2]], [[2, 2], [2, 2], [2, 2]]],
+        [[[-1, -1], [1, -1], [-1, -1]], [[1, -1], [-1, -1], [-1, 1]], [[4, -1], [2, 2], [2, 2]]],
+        [[[2, 0], [-1, 3], [-1, 2]], [[-1, 3], [-1, 2], [-1, -1]], [[-1, -1], [-1, -1], [1, -1]]],
+        [[[-1, -1], [-1, 1], [4, -1]], [[-1, 1], [4, -1], [2, 2]], [[4, -1], [2, 2], [2, 2]]]]
+    half = lambda *xs: torch.tensor(xs).half().float().tolist()  # noqa: E731 (the stored fp16 values)
+    assert batch["target_probs"][..., 0].tolist() == [
+        [half(0.5, 0.9, 0), half(0.9, 0, 0), half(0, 0, 0)], [half(0.5, 0.6, 0.7), half(0.6, 0.7, 0.8), half(0.9, 0, 0)],
+        [half(0.5 + 0.4 / 6, 0.5 + 0.8 / 6, 0.7), half(0.5 + 0.8 / 6, 0.7, 0.5 + 1.6 / 6), half(0.5 + 1.6 / 6, 0.5 + 2 / 6, 0.9)],
+        [half(0.7, 0.8, 0.9), half(0.8, 0.9, 0), half(0.9, 0, 0)]]
+    assert batch["target_probs"][..., 1][batch["valid"]].eq(torch.tensor(0.05).half().float()).all()
+    assert batch["target_probs"][..., 1][~batch["valid"]].eq(0).all()
+
+
+def test_the_store_views_the_shard_files(tiny_data):
+    """``FeatureStore.from_shards`` reads the shards through zero-copy views of their Arrow files: the same rows,
+    in the same order, as the ``datasets`` split; and the response tokens are the rows' tokens after their prompts."""
+    _, out = tiny_data
+    rows = load_shards(out, "train")
+    store = FeatureStore.from_shards([out, out], "train")  # a folder twice: its rows twice
+    assert len(store) == 2 * len(rows) and store.n == [len(r["input_ids"]) for r in rows] * 2
+    for r, row in enumerate(rows):
+        assert torch.equal(store.features[r], row["features"]) and torch.equal(store.features[r + len(rows)], row["features"])
+        start, k = int(store.topk_start[r]), len(row["topk_ids"])
+        assert torch.equal(store.topk_ids[start : start + k], row["topk_ids"])
+        assert torch.equal(store.topk_probs[start : start + k], row["topk_probs"])
+    responses = torch.cat([r["input_ids"][int(r["prompt_len"]) :] for r in rows]).long()
+    assert torch.equal(store.response_tokens(), torch.cat([responses, responses]))
+    resident = FeatureStore.from_shards([out], "train", resident=True)  # an accelerator's layout: one flat tensor
+    assert all(torch.equal(a, b) for a, b in zip(resident.features, store.features))
+    assert resident.features[1].data_ptr() == resident.features[0].data_ptr() + 2 * resident.features[0].numel()
+    with pytest.raises(ValueError, match="expected n - 1 and n - prompt_len - 1"):
+        FeatureStore([{**_golden_rows()[0], "prompt_len": 2}])
+
+
+@pytest.mark.parametrize(("mixed_precision", "device"), [("no", "cpu"), ("bf16", "cpu"), pytest.param(
+    "bf16", "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_smoke_training_lowers_validation_loss(tiny_data, tmp_path, mixed_precision, device):
     AcceleratorState._reset_state(reset_partial_state=True)  # one precision per process, as under `dspark train`
     target, out = tiny_data
+    target = copy.deepcopy(target).to(device)  # training runs, and packs, on the target's device
     cfg = TrainConfig(data_dir=[str(out)], out_dir=str(tmp_path / "run"), num_hidden_layers=1, sequential_rank=8,
                       block_size=4, num_context_layers=2, draft_vocab_size=None, mask_token_id=0, mixed_precision=mixed_precision,
                       steps=60, sequences_per_step=4, anchors_per_sequence=6, lr=3e-3, warmup_steps=5,
@@ -216,6 +290,8 @@ def test_smoke_training_lowers_validation_loss(tiny_data, tmp_path, mixed_precis
     assert last["loss"] < 0.8 * first["loss"]
     assert last["tau"] > first["tau"]
     assert (final / "model.safetensors").is_file() and (tmp_path / "run" / "checkpoint" / "state.pt").is_file()
+    record = json.loads((final / "training.json").read_text())
+    assert 60 * 4 * 6 * 4 / (60 * record["minutes"]) <= record["positions_per_s"] < 60 * 4 * 6 * 4 / log[-1]["time_s"]
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
@@ -361,8 +437,7 @@ def test_two_processes_train_like_one(tmp_path):
 def test_processes_pack_disjoint_shares_of_one_batch(tiny_data):
     """With the same generator state, rank r of N packs rows r::N of exactly the batch one process packs."""
     target, out = tiny_data
-    rows = load_shards(out, "train")
-    rows = [rows[i] for i in range(len(rows))]
+    rows = FeatureStore(load_shards(out, "train"))
     drafter = DSparkDrafter(DSparkConfig.for_target(target, num_context_layers=2, num_hidden_layers=1, block_size=4,
                                                     mask_token_id=0))
 

@@ -44,7 +44,8 @@ def run(args):
     if state.is_main_process and not args.train_only:  # one (resumable) regeneration; the others wait for its data
         layers = spread_layer_ids(target.config.num_hidden_layers, cfg.num_context_layers)
         prepare_data(target, tokenizer, cfg.data_dir[0], layers, cfg.target_tokens, cfg.gen_batch_size,
-                     max_new_tokens=cfg.max_new_tokens, worker=args.worker, tokens_file=cfg.tokens_file, replies=cfg.replies)
+                     max_new_tokens=cfg.max_new_tokens, worker=args.worker, tokens_file=cfg.tokens_file, replies=cfg.replies,
+                     prompts=dict(turns=cfg.turns, max_prompt_tokens=cfg.max_prompt_tokens))
     state.wait_for_everyone()
     if args.prepare_only:
         return

@@ -85,7 +85,12 @@ def load_default_target(dtype: torch.dtype = torch.float32, prepack: bool | None
     return load_target(None, dtype, prepack)
 
 
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    """Token ids of ``prompt`` as one user turn under the target's chat template, ready to answer."""
-    messages = [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+def as_messages(prompt: str | list[dict]) -> list[dict]:
+    """Chat messages of a prompt: a string is one user turn; a list of ``{"role", "content"}`` is kept as it is."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+
+def chat_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
+    """Token ids of ``prompt`` (one user turn, or a conversation ending with the user's turn, see :func:`as_messages`)
+    under the target's chat template, ready to answer."""
+    return tokenizer.apply_chat_template(as_messages(prompt), add_generation_prompt=True, tokenize=True, return_dict=False)

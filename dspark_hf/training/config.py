@@ -36,6 +36,8 @@ class TrainConfig:
     max_new_tokens: int = 192
     tokens_file: str | None = None  # committed token ids of past regenerations (data.export_tokens): featurized, not regenerated
     replies: str = "target"  # "target": regenerated (paper §4.1); "dataset": ShareGPT's own replies, teacher-forced
+    turns: str = "first"  # ShareGPT prompts: "first" user messages; "all": then every later one with its history (#22)
+    max_prompt_tokens: int = 320  # longer chat-templated prompts are left out of the queue
     labels: str = "data"  # cross-entropy label: "data" (the next token of the row) or "target" (the target's top-1)
     # optimisation
     steps: int = 3000
@@ -71,7 +73,7 @@ class TrainConfig:
     def __post_init__(self):
         if isinstance(self.data_dir, (str, Path)):  # one folder, as most configs write it
             self.data_dir = [str(self.data_dir)]
-        for key, allowed in (("replies", ("target", "dataset")), ("labels", ("data", "target")),
+        for key, allowed in (("replies", ("target", "dataset")), ("labels", ("data", "target")), ("turns", ("first", "all")),
                              ("mixed_precision", ("no", "bf16", "fp16"))):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{key} must be one of {allowed}, got {getattr(self, key)!r}")

@@ -28,15 +28,17 @@ import datasets
 import torch
 from tqdm.auto import tqdm
 
-from ..decoding.targets import chat_ids  # noqa: F401 (lives with the target; re-exported)
+from ..decoding.targets import as_messages, chat_ids
+from .conversations import TURN_SEPARATOR, first_human_turn, first_reply, later_turns
 
 SPLITS = ("train", "validation", "calibration", "test")
 _SPLIT_PERCENT = {"validation": 2, "calibration": 3, "test": 5}  # the rest is train
 
 
 def conversation_key(record_id: str) -> str:
-    """ShareGPT ids look like ``QWJhYvA_0``: the suffix numbers pieces of ONE conversation."""
-    return record_id.rsplit("_", 1)[0]
+    """ShareGPT ids look like ``QWJhYvA_0``: the suffix numbers pieces of ONE conversation (and a later turn's id,
+    ``QWJhYvA_0@t2``, names its piece: :mod:`~dspark_hf.training.conversations`)."""
+    return record_id.split(TURN_SEPARATOR)[0].rsplit("_", 1)[0]
 
 
 def split_of(record_id: str) -> str:
@@ -110,30 +112,22 @@ def load_sharegpt() -> list[dict]:
         records.append(record)
 
 
-def first_human_turn(record: dict) -> str | None:
-    """The opening user message of a conversation, or ``None`` when it has none."""
-    turns = record.get("conversations") or []
-    if turns and turns[0].get("from") == "human" and turns[0].get("value", "").strip():
-        return turns[0]["value"].strip()
-    return None
-
-
-def first_reply(record: dict) -> str | None:
-    """The assistant's answer to the opening user message, or ``None`` when it has none."""
-    turns = record.get("conversations") or []
-    if len(turns) > 1 and turns[1].get("from") == "gpt" and turns[1].get("value", "").strip():
-        return turns[1]["value"].strip()
-    return None
-
-
-def sharegpt_prompts(split: str, seed: int = 0, with_replies: bool = False) -> list[tuple]:
+def sharegpt_prompts(split: str, seed: int = 0, with_replies: bool = False, turns: str = "first") -> list[tuple]:
     """``(record_id, first human turn)`` pairs of one split, in a fixed shuffled order.
 
     ``with_replies``: ``(record_id, first human turn, first reply)`` triples of the records that have both.
+    ``turns="later"``: every later user message with its history instead (``(turn id, messages[, reply])``,
+    :func:`~dspark_hf.training.conversations.later_turns`); a turn is in its conversation's split.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    pairs = [(r["id"], p, first_reply(r)) for r in load_sharegpt() if split_of(r["id"]) == split and (p := first_human_turn(r))]
+    if turns not in ("first", "later"):
+        raise ValueError(f'turns must be "first" or "later", got {turns!r}')
+    records = [r for r in load_sharegpt() if split_of(r["id"]) == split]
+    if turns == "first":
+        pairs = [(r["id"], p, first_reply(r)) for r in records if (p := first_human_turn(r))]
+    else:
+        pairs = [turn for r in records for turn in later_turns(r)]
     pairs = [item if with_replies else item[:2] for item in pairs if item[2] or not with_replies]
     order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed)).tolist()
     return [pairs[i] for i in order]
@@ -151,7 +145,7 @@ def reply_ids(tokenizer, prompt: str, reply: str, prompt_ids: list[int], max_tok
     the template's end-of-turn token (the tokenizer's EOS), cut to ``max_tokens``; ``None`` when the template does
     not continue ``prompt_ids`` or the reply is under two tokens.
     """
-    messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
+    messages = [*as_messages(prompt), {"role": "assistant", "content": reply}]
     ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
     if ids[: len(prompt_ids)] != prompt_ids:
         return None
@@ -295,34 +289,41 @@ def shard_features(width: int, topk: int) -> datasets.Features:
 
 
 def sharegpt_queue(tokenizer, splits=("train", "validation"), max_prompt_tokens: int = 320,
-                   mix: dict[str, float] | None = None, max_reply_tokens: int | None = None) -> list[tuple]:
+                   mix: dict[str, float] | None = None, max_reply_tokens: int | None = None, turns: str = "first") -> list[tuple]:
     """``(record_id, split, prompt_ids)`` of the chat-formatted first turns of ``splits``, in a fixed order.
 
     ``max_reply_tokens``: ``(record_id, split, prompt_ids, reply_ids)`` instead, with the dataset's own first
-    reply (:func:`reply_ids`, at most that many tokens), for records that have one.
+    reply (:func:`reply_ids`, at most that many tokens), for records that have one. ``turns="all"``: the same
+    queue, then the later turns with their history (:func:`sharegpt_prompts`, ordered likewise and categorised by
+    their last user message), so that token files of the first-turn queue stay valid.
 
     Held-out splits come first (they are small), so that training has a validation set from its first shard.
     The rest is grouped by :func:`prompt_category` and interleaved in the proportions of ``mix`` (default
     :data:`PROMPT_MIX`) until a category runs out, so that a regeneration stopped early still holds a real
     share of code and math; within a category the order is a hash of the record id.
     """
+    if turns not in ("first", "all"):
+        raise ValueError(f'turns must be "first" or "all", got {turns!r}')
     mix = PROMPT_MIX if mix is None else mix
-    groups: dict[str, list[tuple]] = {name: [] for name in mix}
-    for split in splits:
-        for record_id, prompt, *reply in sharegpt_prompts(split, with_replies=max_reply_tokens is not None):
-            ids = chat_ids(tokenizer, prompt)
-            category = prompt_category(prompt)
-            if len(ids) > max_prompt_tokens or category not in groups:
-                continue
-            if not reply:
-                groups[category].append((record_id, split, ids))
-            elif answer := reply_ids(tokenizer, prompt, reply[0], ids, max_reply_tokens):
-                groups[category].append((record_id, split, ids, answer))
-    by_hash = lambda item: int(hashlib.sha1(item[0].encode()).hexdigest(), 16)  # noqa: E731
-    keyed = [((i + 1) / mix[name], name, item) for name, items in groups.items()
-             for i, item in enumerate(sorted(items, key=by_hash))]
-    mixed = [item for _, _, item in sorted(keyed, key=lambda k: (k[0], k[1]))]
-    return [item for item in mixed if item[1] != "train"] + [item for item in mixed if item[1] == "train"]
+    queue = []
+    for part in ("first", "later")[: 1 + (turns == "all")]:
+        groups: dict[str, list[tuple]] = {name: [] for name in mix}
+        for split in splits:
+            for record_id, prompt, *reply in sharegpt_prompts(split, with_replies=max_reply_tokens is not None, turns=part):
+                ids = chat_ids(tokenizer, prompt)
+                category = prompt_category(as_messages(prompt)[-1]["content"])
+                if len(ids) > max_prompt_tokens or category not in groups:
+                    continue
+                if not reply:
+                    groups[category].append((record_id, split, ids))
+                elif answer := reply_ids(tokenizer, prompt, reply[0], ids, max_reply_tokens):
+                    groups[category].append((record_id, split, ids, answer))
+        by_hash = lambda item: int(hashlib.sha1(item[0].encode()).hexdigest(), 16)  # noqa: E731
+        keyed = [((i + 1) / mix[name], name, item) for name, items in groups.items()
+                 for i, item in enumerate(sorted(items, key=by_hash))]
+        mixed = [item for _, _, item in sorted(keyed, key=lambda k: (k[0], k[1]))]
+        queue += [item for item in mixed if item[1] != "train"] + [item for item in mixed if item[1] == "train"]
+    return queue
 
 
 def prepare_data(
@@ -339,6 +340,7 @@ def prepare_data(
     worker: tuple[int, int] = (0, 1),
     tokens_file: str | Path | None = None,
     replies: str = "target",
+    prompts: dict | None = None,
 ) -> Path:
     """Regenerate responses with the target and cache the drafter's training signals, resumably.
 
@@ -348,6 +350,7 @@ def prepare_data(
         replies: ``"target"`` (paper §4.1: the target answers each prompt, at most ``max_new_tokens``) or
             ``"dataset"`` (the default queue carries ShareGPT's own replies, at most ``max_new_tokens`` each).
         sampling: ``generate`` sampling kwargs (default T=0.2, top-p 0.9, SmolLM2's recommendation).
+        prompts: keyword arguments of :func:`sharegpt_queue` for the default queue (``turns``, ``max_prompt_tokens``).
         tokens_file: a file of :func:`export_tokens`; its shards are rebuilt by :func:`featurize_batch`
             (one forward pass) instead of being regenerated.
 
@@ -362,7 +365,7 @@ def prepare_data(
         raise ValueError(f'replies must be "target" or "dataset", got {replies!r}')
     sampling = sampling or dict(do_sample=True, temperature=0.2, top_p=0.9)
     if queue is None:
-        queue = sharegpt_queue(tokenizer, max_reply_tokens=max_new_tokens if replies == "dataset" else None)
+        queue = sharegpt_queue(tokenizer, max_reply_tokens=max_new_tokens if replies == "dataset" else None, **(prompts or {}))
     done = {int(d.name.removeprefix("shard-")) for d in out_dir.glob("shard-*")}
     stored = sum(sum(len(x) - p for x, p in zip(*_lengths(d))) for d in out_dir.glob("shard-*"))
     index, workers = worker
@@ -410,10 +413,15 @@ def _lengths(shard_dir: Path):
     return ds["input_ids"], ds["prompt_len"]
 
 
-def load_shards(data_dir: str | Path, split: str) -> datasets.Dataset:
-    """All cached rows of one split, torch-formatted."""
-    shards = [datasets.load_from_disk(str(d)) for d in sorted(Path(data_dir).glob("shard-*"))]
+def shard_dirs(data_dir: str | Path) -> list[Path]:
+    """The complete shard folders under ``data_dir``, in order; ``FileNotFoundError`` (naming the command) if none."""
+    shards = sorted(Path(data_dir).glob("shard-*"))
     if not shards:
         raise FileNotFoundError(f"no shards under {data_dir}; run `dspark train --prepare-only` first")
-    ds = datasets.concatenate_datasets(shards)
+    return shards
+
+
+def load_shards(data_dir: str | Path, split: str) -> datasets.Dataset:
+    """All cached rows of one split, torch-formatted."""
+    ds = datasets.concatenate_datasets([datasets.load_from_disk(str(d)) for d in shard_dirs(data_dir)])
     return ds.filter(lambda s: s == split, input_columns="split").with_format("torch")

@@ -21,119 +21,26 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import datasets
 import torch
 import yaml
 from accelerate import Accelerator
-from accelerate.utils import broadcast, send_to_device
+from accelerate.utils import broadcast
 from tqdm.auto import tqdm
 
 from ..modeling.configuration_dspark import DSparkConfig
 from ..modeling.modeling_dspark import DSparkDrafter
 from .config import TrainConfig
-from .curve import run_curve
-from .data import load_shards
+from .curve import positions_per_step, run_curve
 from .losses import dspark_loss, expected_tau, greedy_survival, position_weights, tv_distance  # noqa: F401 (re-exported)
+from .packing import FeatureBatcher, FeatureStore
 
 MAX_SHARD_SIZE = "16MB"  # safetensors shards of saved drafters (save_pretrained's max_shard_size): each file < 16 MiB
 TRIM_EVERY = 10  # steps between release_free_memory() calls (glibc malloc_trim: a few ms each)
 
 
-# -------------------------------------------------------------------------------------- data
-class FeatureBatcher:
-    """Samples packed training batches from cached rows (anchor-bounded packing, §3.3 / §5.1).
-
-    ``rows``: a list of row dicts or a memory-mapped dataset (:func:`load_rows`), read one row at a time.
-    ``labels``: the cross-entropy label of draft position ``k``, the row's next token (``"data"``: the
-    target's own sample for regenerated rows) or the target's top-1 there (``"target"``: for dataset replies,
-    whose next token the target did not choose).
-    """
-
-    def __init__(self, rows, drafter: DSparkDrafter, block_size: int, generator: torch.Generator, labels: str = "data"):
-        ids, prompt_lens = token_columns(rows)
-        self.rows = rows
-        self.index = [i for i, (x, p) in enumerate(zip(ids, prompt_lens)) if len(x) - int(p) >= 2]
-        if not self.index:
-            raise ValueError("No usable training rows (responses shorter than 2 tokens).")
-        self.vocab_index = drafter.vocab_index.cpu()  # packing runs on the CPU, whatever the drafter's device
-        self.oov = drafter.draft_vocab.numel()
-        self.gamma = block_size
-        self.generator = generator
-        self.labels = labels
-
-    def usable(self, limit: int | None = None) -> list[dict]:
-        """The first ``limit`` rows with at least one anchor, as dicts."""
-        return [self.rows[i] for i in self.index[:limit]]
-
-    def sample(self, sequences: int, anchors: int, rank: int = 0, world: int = 1) -> dict:
-        """A global batch of ``sequences`` random rows with up to ``anchors`` anchors each, of which this
-        process packs its share, the rows ``rank::world``.
-
-        Every process draws the whole batch (rows and anchors) from the same generator, so the processes'
-        generators stay in step and their shares together are exactly the batch one process would pack.
-        """
-        picks = torch.randint(len(self.index), (sequences,), generator=self.generator).tolist()
-        rows = [self.rows[self.index[i]] for i in picks]
-        per_row = [self._anchors(r, anchors) for r in rows]
-        return self._pack(rows[rank::world], per_row[rank::world])
-
-    def pack(self, rows, anchors: int) -> dict:
-        """Pack ``rows`` with up to ``anchors`` anchors each into dense tensors (see ``DSparkDrafter.forward``)."""
-        return self._pack(rows, [self._anchors(r, anchors) for r in rows])
-
-    def _pack(self, rows, per_row: list[torch.Tensor]) -> dict:
-        n = max(int(a.max()) for a in per_row)
-        A = max(len(a) for a in per_row)
-        width = rows[0]["features"].shape[-1]
-        k_top = rows[0]["topk_ids"].shape[-1]
-        g = self.gamma
-        feats = torch.zeros(len(rows), n, width, dtype=torch.float16)
-        anchor_pos = torch.zeros(len(rows), A, dtype=torch.long)
-        tokens = torch.zeros(len(rows), A, g + 1, dtype=torch.long)
-        valid = torch.zeros(len(rows), A, g, dtype=torch.bool)
-        top_ids = torch.zeros(len(rows), A, g, k_top, dtype=torch.long)
-        top_probs = torch.zeros(len(rows), A, g, k_top)
-        for s, (row, picks) in enumerate(zip(rows, per_row)):
-            ids, p0 = row["input_ids"].long(), int(row["prompt_len"])
-            feats[s, : min(n, len(row["features"]))] = row["features"][:n]
-            for b, a in enumerate(picks.tolist()):
-                span = min(g, len(ids) - 1 - a)  # draft positions with a ground-truth token
-                anchor_pos[s, b] = a
-                tokens[s, b, : span + 1] = ids[a : a + span + 1]
-                valid[s, b, :span] = True
-                top_ids[s, b, :span] = row["topk_ids"][a - p0 : a - p0 + span].long()
-                top_probs[s, b, :span] = row["topk_probs"][a - p0 : a - p0 + span].float()
-        rows_of = lambda t: torch.where(self.vocab_index[t] < self.oov, self.vocab_index[t], -1)  # noqa: E731
-        target_ids = rows_of(top_ids)
-        labels = rows_of(tokens[..., 1:]) if self.labels == "data" else target_ids[..., 0]
-        return dict(features=feats, anchors=anchor_pos, tokens=tokens, valid=valid, labels=labels,
-                    target_ids=target_ids, target_probs=top_probs)
-
-    def _anchors(self, row, count: int) -> torch.Tensor:
-        """Sorted anchor positions in ``[prompt_len, n - 2]`` (each has >= 1 token to predict)."""
-        lo, hi = int(row["prompt_len"]), len(row["input_ids"]) - 2
-        choices = torch.randperm(hi - lo + 1, generator=self.generator)[:count] + lo
-        return choices.sort().values
-
-
-def load_rows(data_dirs: list[str | Path], split: str) -> datasets.Dataset:
-    """The cached rows of ``split`` in every folder of ``data_dirs``, memory-mapped: ``rows[i]`` is one row as a
-    dict of tensors (features stay fp16), read from disk when asked for, so the data may exceed the RAM."""
-    return datasets.concatenate_datasets([load_shards(d, split) for d in data_dirs]).with_format("torch")
-
-
-def token_columns(rows) -> tuple[list, list]:
-    """``(input_ids, prompt_len)`` of every row of a dataset or a list of row dicts, without reading features."""
-    if isinstance(rows, datasets.Dataset):
-        columns = rows.select_columns(["input_ids", "prompt_len"])
-        return columns["input_ids"], columns["prompt_len"]
-    return [r["input_ids"] for r in rows], [r["prompt_len"] for r in rows]
-
-
-def choose_draft_vocab(rows, size: int, vocab_size: int) -> torch.Tensor:
-    """The ``size`` most frequent response tokens of ``rows`` (target ids ``[size]``, sorted)."""
-    responses = torch.cat([torch.as_tensor(x[int(p) :]).long() for x, p in zip(*token_columns(rows))])
-    counts = torch.bincount(responses, minlength=vocab_size)
+def choose_draft_vocab(store: FeatureStore, size: int, vocab_size: int) -> torch.Tensor:
+    """The ``size`` most frequent response tokens of the store's rows (target ids ``[size]``, sorted, on the CPU)."""
+    counts = torch.bincount(store.response_tokens().cpu(), minlength=vocab_size)
     return counts.argsort(descending=True, stable=True)[:size].sort().values
 
 
@@ -159,8 +66,8 @@ def reserved_mask_token(tokenizer, draft_vocab: torch.Tensor | None = None) -> i
 
 
 # ----------------------------------------------------------------------------------- training
-def build_drafter(target, cfg: TrainConfig, train_rows, tokenizer=None) -> DSparkDrafter:
-    """A fresh v2 drafter for ``target``; its draft vocabulary is chosen from the training responses.
+def build_drafter(target, cfg: TrainConfig, train_rows: FeatureStore, tokenizer=None) -> DSparkDrafter:
+    """A fresh v2 drafter for ``target``; its draft vocabulary is chosen from the training responses (``train_rows``).
 
     The mask token is ``cfg.mask_token_id``, else :func:`reserved_mask_token` of ``tokenizer``.
 
@@ -289,9 +196,10 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
 
     Returns the folder of the final drafter (``out_dir/final``), loadable with
     ``DSparkDrafter.from_pretrained`` (safetensors shards of at most :data:`MAX_SHARD_SIZE`). A
-    ``log.jsonl`` records training and validation metrics; ``final/training.json`` the budget used, the
-    number of processes, the config, the final validation, ``command`` and the learning curve
-    (:func:`~dspark_hf.training.curve.run_curve`, a warm start's included).
+    ``log.jsonl`` records training and validation metrics; ``final/training.json`` the budget used, the draft
+    positions trained per second of the loop (``positions_per_s``), the number of processes, the config, the final
+    validation, ``command`` and the learning curve (:func:`~dspark_hf.training.curve.run_curve`, a warm start's
+    included). Batches are packed on the target's device (:mod:`~dspark_hf.training.packing`).
 
     Training runs on the target's device. Under ``accelerate launch`` each process calls this with the
     target on its own ``accelerator.device``; the processes split every global batch of
@@ -319,7 +227,8 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
         (out / "train_config.yaml").write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
     torch.manual_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
-    train_rows, val_rows = load_rows(cfg.data_dir, "train"), load_rows(cfg.data_dir, "validation")
+    # the rows stay where the batches are built: memory-mapped on a CPU, in an accelerator's memory
+    train_rows, val_rows = (FeatureStore.from_shards(cfg.data_dir, split, device) for split in ("train", "validation"))
     ckpt = out / "checkpoint"
     if (ckpt / "state.pt").is_file():
         drafter = DSparkDrafter.from_pretrained(ckpt).bind(target)
@@ -340,8 +249,7 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
     batcher = FeatureBatcher(train_rows, drafter, cfg.block_size, generator, cfg.labels)
     val_batcher = FeatureBatcher(val_rows, drafter, cfg.block_size, torch.Generator().manual_seed(1), cfg.labels)
     val = val_batcher.usable(cfg.val_sequences)
-    val_batches = [send_to_device(val_batcher.pack(val[i : i + 8], cfg.anchors_per_sequence), device)
-                   for i in range(0, len(val), 8)]
+    val_batches = [val_batcher.pack(val[i : i + 8], cfg.anchors_per_sequence) for i in range(0, len(val), 8)]
     weights = position_weights(cfg.block_size, cfg.decay)
     log = (out / "log.jsonl").open("a") if main else None
     if step == 0 and main:
@@ -355,7 +263,7 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
     while step < cfg.steps and (now := clock()) < 60 * cfg.max_minutes:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(cfg, step, now)
-        batch = send_to_device(batcher.sample(cfg.sequences_per_step, cfg.anchors_per_sequence, rank, world), device)
+        batch = batcher.sample(cfg.sequences_per_step, cfg.anchors_per_sequence, rank, world)  # built on `device`
         loss, parts = train_step(model, batch, weights, cfg.loss_weights)
         # the loss is a mean over this process's weighted positions (dspark_loss's Σ w): weighted by their share
         # of the global batch's, DDP's average of the processes' gradients is the one-process gradient
@@ -386,13 +294,14 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
         if step % TRIM_EVERY == 0:
             release_free_memory()
     bar.close()
+    trained_s = time.perf_counter() - start  # the loop's wall time, evaluations and checkpoints included
     final = out / "final"
     if main:
         drafter.save_pretrained(final, max_shard_size=MAX_SHARD_SIZE)
         validation = validated[1] if validated[0] == step else evaluate(drafter, val_batches, weights, cfg.loss_weights)
         (final / "training.json").write_text(
             json.dumps({"command": command, "processes": world, "steps": step, "minutes": (time.perf_counter() - start) / 60,
-                        "config": asdict(cfg), "validation": validation,
+                        "positions_per_s": step * positions_per_step(cfg) / max(trained_s, 1e-9), "config": asdict(cfg), "validation": validation,
                         "curve": run_curve(out / "log.jsonl", cfg, (step, validation))}, indent=2)
         )
     accelerator.wait_for_everyone()  # the final folder exists for every process that returns it
