@@ -24,6 +24,17 @@ def test_missing_package_names_install_command(monkeypatch):
         target_mod.default_target_gguf()
 
 
+def test_gguf_tokenizer_ends_turns_where_the_model_does(default_target):
+    """transformers 5.17 reads the GGUF's tokenizer with EOS ``<|im_start|>`` (1) and no padding; 5.24 with
+    ``<|im_end|>`` (2): align_special_tokens gives the tokenizer the generation config's EOS either way."""
+    model, tokenizer = default_target
+    assert tokenizer.eos_token_id == model.generation_config.eos_token_id == 2 and tokenizer.pad_token_id is not None
+    tokenizer = type(tokenizer).from_pretrained(target_mod.default_target_dir())
+    tokenizer.eos_token, tokenizer.pad_token = "<|im_start|>", None  # as 5.17 reads the GGUF
+    target_mod.align_special_tokens(tokenizer, model)
+    assert (tokenizer.eos_token, tokenizer.eos_token_id, tokenizer.pad_token_id) == ("<|im_end|>", 2, 2)
+
+
 @pytest.fixture(scope="module")
 def default_target():
     return target_mod.load_default_target()
