@@ -393,18 +393,6 @@ def test_shipped_drafters_export(real_target, tmp_path, folder):
     check_real(model, tokenizer, verifier, drafter, tmp_path)
 
 
-def test_v1_drafter_export_names_the_fix(tmp_path):
-    """v1 checkpoints (as on the Hub) cannot be exported: the message says how to get a v2 drafter."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(ROOT / "tests/fixtures/v1/target", dtype=torch.float32)
-    model.config._name_or_path = "tests/fixtures/v1/target"  # the name the drafters recorded
-    drafter = DSparkDrafter.from_pretrained(ROOT / V1).bind(model).eval()
-    assert drafter.config.dspark_version == 1
-    with pytest.raises(ValueError, match="v1 drafter.*dspark train"):
-        export_drafter(drafter, tmp_path, "speculators")
-
-
 def test_cli_export_of_a_v1_drafter_is_a_message(tmp_path):
     from dspark_hf.cli import main as cli
 
