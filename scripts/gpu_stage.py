@@ -2,7 +2,7 @@
 
 Run here (a machine with pip and the repo's venv); writes the ignored folder ``.device-stage/``:
 
-    a/  gguf.part1 (the target's GGUF, first part) and drafter.tar (the shipped drafter's weights)
+    a/  gguf.part1 (the target's GGUF, first part) and drafter.tar (the shipped drafter at HEAD)
     b/  gguf.part2, wheels.tar.xz (what the device lacks, see WHEELS), queue.jsonl.gz (the regeneration queue as
         token ids) and prompts.json (held-out chat prompts as token ids, for the measurements)
     each also parts.json: every part's name, call, size and sha256, plus the GGUF's sha256
@@ -107,13 +107,14 @@ def queue_and_prompts(out_queue: Path, out_prompts: Path) -> tuple[int, int]:
 
 
 def drafter_tar(out: Path) -> None:
-    from dspark_hf.defaults import default_drafter
+    """The shipped drafter as committed (HEAD; read from git, so it works with the weights left out of the tree)."""
+    from dspark_hf.defaults import DEFAULT_DRAFTER_NAME
 
-    folder = default_drafter()
-    with tarfile.open(out, "w") as tar:  # bf16 weights barely compress
-        for path in sorted(folder.iterdir()):
-            if path.is_file() and path.suffix in (".json", ".safetensors"):
-                tar.add(path, arcname=f"drafter/{path.name}")
+    subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", "--prefix=drafter/", "-o", str(out),
+                    f"HEAD:model_cards/{DEFAULT_DRAFTER_NAME}", "--", "*.json", "*.safetensors"], check=True)
+    with tarfile.open(out) as tar:
+        if not any(name.endswith(".safetensors") for name in tar.getnames()):
+            sys.exit(f"gpu_stage: no weights of model_cards/{DEFAULT_DRAFTER_NAME} at HEAD")
 
 
 def split_gguf(gguf: Path, first_bytes: int, out_a: Path, out_b: Path) -> None:
