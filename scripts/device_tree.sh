@@ -18,5 +18,6 @@ case "${1:-size}" in
     size) ;;
     *) echo "usage: $0 slim|restore|size" >&2; exit 2 ;;
 esac
-git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null \
+git ls-files -z --cached --others --exclude-standard \
+    | xargs -0 -r sh -c 'for f; do [ -f "$f" ] && stat -c %s "$f"; done; true' _ \
     | awk '{s += $1} END {printf "working tree that travels: %.2f MiB\n", s / 1048576}'
