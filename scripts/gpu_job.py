@@ -211,7 +211,7 @@ def phase_profile(seconds: int) -> None:
     cmd = [sys.executable, "-m", "dspark_hf.cli", "profile", "--device", DEVICE, "--refresh", "--json", *scale("profile")]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=max(seconds - 5, 1))
     print(out.stderr[-2000:])
-    save_result("profile", json.loads(out.stdout.strip().splitlines()[-1]))
+    save_result("profile", json.loads(out.stdout[out.stdout.index("{"):]))  # the curve's JSON (several lines)
 
 
 def phase_measure(seconds: int) -> None:
