@@ -84,9 +84,9 @@ def wheels_archive(out: Path, pythons: list[str]) -> None:
                 tar.addfile(info, data)
 
 
-def queue_and_prompts(out_queue: Path, out_prompts: Path) -> tuple[int, int]:
-    """The regeneration queue (:func:`~dspark_hf.training.data.sharegpt_queue`, minus the records the committed
-    tokens file already holds) and :data:`N_PROMPTS` held-out chat prompts, as token ids."""
+def queue_and_prompts(out_queue: Path, out_prompts: Path, queue_args: dict) -> tuple[int, int]:
+    """The regeneration queue (:func:`~dspark_hf.training.data.sharegpt_queue` with ``queue_args``, minus the records
+    the committed tokens file already holds) and :data:`N_PROMPTS` held-out chat prompts, as token ids."""
     from transformers import AutoTokenizer
 
     from dspark_hf.bench.settings import BenchSettings
@@ -97,7 +97,7 @@ def queue_and_prompts(out_queue: Path, out_prompts: Path) -> tuple[int, int]:
     tokenizer = AutoTokenizer.from_pretrained(convert_default_target())
     tokens_file = ROOT / "data" / "smollm2-135m-instruct-tokens.jsonl.gz"
     known = {row["record_id"] for rows in read_tokens(tokens_file).values() for row in rows}
-    queue = [item for item in sharegpt_queue(tokenizer) if item[0] not in known]
+    queue = [item for item in sharegpt_queue(tokenizer, **queue_args) if item[0] not in known]
     with gzip.open(out_queue, "wt") as f:
         for record_id, split, ids in queue:
             f.write(json.dumps({"record_id": record_id, "split": split, "prompt_ids": ids}) + "\n")
@@ -127,6 +127,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / ".device-stage"))
     parser.add_argument("--pythons", default="3.12", help="Python versions to fetch wheels for (comma-separated)")
+    parser.add_argument("--queue-args", type=json.loads, default={},
+                        help='keyword arguments of sharegpt_queue as JSON, e.g. \'{"turns": "all"}\' where it has them')
     args = parser.parse_args(argv)
     from dspark_hf.defaults import default_target_gguf
 
@@ -138,7 +140,7 @@ def main(argv=None):
             old.unlink()
     drafter_tar(a / "drafter.tar")
     wheels_archive(b / "wheels.tar.xz", args.pythons.split(","))
-    n_queue, n_prompts = queue_and_prompts(b / "queue.jsonl.gz", b / "prompts.json")
+    n_queue, n_prompts = queue_and_prompts(b / "queue.jsonl.gz", b / "prompts.json", args.queue_args)
     gguf = default_target_gguf()
     tree = tree_bytes()
     fixed_a = sum(p.stat().st_size for p in a.iterdir())
