@@ -52,11 +52,8 @@ def scale(phase: str):
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()  # Python >= 3.11 (the device has 3.12)
 
 
 # ------------------------------------------------------------------------------------------- staging
