@@ -320,7 +320,7 @@ def test_cli_export_and_import(target_dir, tmp_path):
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ["model_cards/dspark-smollm2-135m-instruct", "ablations/dspark-rnn-smollm2-135m-instruct",
            "ablations/dflash-smollm2-135m-instruct"]
-V1 = "tests/fixtures/v1/dspark-smollm2-135m-instruct"  # the v1 drafter shipped before issue #16's retraining
+V1 = "tests/fixtures/v1/dspark-tiny"  # a tiny v1 checkpoint, made by the code before v2 existed (make_v1_fixtures.py)
 
 
 @pytest.fixture(scope="module")
@@ -384,15 +384,12 @@ def test_random_v2_drafter_on_the_real_target(real_target, tmp_path):
     check_real(model, tokenizer, verifier, random_real_drafter(model), tmp_path)
 
 
-@pytest.mark.parametrize("folder", SHIPPED + [V1])
-def test_shipped_drafters_export_or_name_the_fix(real_target, tmp_path, folder):
-    """Trained drafters: v2 ones conform and round-trip; v1 ones (today's, until they are retrained) say how."""
+@pytest.mark.parametrize("folder", SHIPPED)
+def test_shipped_drafters_export(real_target, tmp_path, folder):
+    """Trained drafters conform and round-trip."""
     model, tokenizer, verifier = real_target
     drafter = DSparkDrafter.from_pretrained(ROOT / folder).bind(model).eval()  # bind: fp32, as the target
-    if drafter.config.dspark_version == 1:
-        with pytest.raises(ValueError, match="v1 drafter.*dspark train"):
-            export_drafter(drafter, tmp_path, "speculators")
-        return
+    assert drafter.config.dspark_version == 2
     check_real(model, tokenizer, verifier, drafter, tmp_path)
 
 

@@ -434,7 +434,7 @@ def test_config_versions_validate_with_the_fix_named():
     assert DSparkConfig(**shapes, mask_token_id=5).qk_norm is True
     assert DSparkConfig(**shapes, dspark_version=1).qk_norm is False
     with pytest.raises(ValueError, match="needs mask_token_id.*for_target"):
-        DSparkConfig(**shapes)
+        DSparkDrafter(DSparkConfig(**shapes))  # the config alone builds: transformers makes default configs
     with pytest.raises(ValueError, match="mask_token_id 64 must lie in 0..63"):
         DSparkConfig(**shapes, mask_token_id=V)
     with pytest.raises(ValueError, match="drop qk_norm=False"):
@@ -443,6 +443,21 @@ def test_config_versions_validate_with_the_fix_named():
         DSparkConfig(**shapes, dspark_version=1, mask_token_id=5)
     with pytest.raises(ValueError, match="dspark_version must be one of"):
         DSparkConfig(**shapes, dspark_version=3, mask_token_id=5)
+
+
+def test_default_config_builds_and_round_trips(tmp_path):
+    """transformers builds ``DSparkConfig()`` with the defaults (``to_diff_dict``, ``__repr__``, the Auto classes)."""
+    config = DSparkConfig()
+    assert (config.dspark_version, config.qk_norm, config.mask_token_id) == (2, True, None)
+    assert config.target_layer_ids == [1, 10, 18, 27]  # spread over the default 30 layers
+    assert "DSparkConfig" in repr(config)
+    with_mask = DSparkConfig(mask_token_id=16)
+    with_mask.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["mask_token_id"] == 16
+    back = DSparkConfig.from_pretrained(tmp_path)
+    assert (back.dspark_version, back.mask_token_id) == (2, 16)
+    with pytest.raises(ValueError, match="needs mask_token_id"):
+        DSparkDrafter(config)
 
 
 def test_a_config_json_without_version_loads_as_v1(target, prompt, tmp_path):

@@ -26,7 +26,25 @@ def load_gguf_target(dtype: torch.dtype = torch.float32):
         gguf.parent, dtype=dtype, quantization_config=GgufConfig(dequantize=True), **kwargs
     )
     model.config._name_or_path = DEFAULT_TARGET_NAME
+    align_special_tokens(tokenizer, model)
     return model, tokenizer
+
+
+def align_special_tokens(tokenizer, model) -> None:
+    """Give ``tokenizer`` the model's end-of-sequence token (and it as padding when it has none), in place.
+
+    Older transformers (5.17) read the GGUF's tokenizer with ``<|im_start|>`` (id 1) as EOS and no padding
+    token, while the model's generation config (and transformers 5.24) end turns at ``<|im_end|>`` (id 2);
+    code that cuts replies at ``tokenizer.eos_token_id`` would cut at the wrong token.
+    """
+    eos = model.generation_config.eos_token_id
+    eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+    if eos is None:
+        return
+    if tokenizer.eos_token_id != eos:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
 
 
 def convert_default_target() -> Path:

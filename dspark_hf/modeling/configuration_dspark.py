@@ -71,7 +71,7 @@ class DSparkConfig(PreTrainedConfig):
             ``config.json`` without the field is a v1 checkpoint.
         qk_norm: per-head RMSNorm of queries and keys (block and context keys) before RoPE (Qwen3
             style ``q_norm``/``k_norm``). Required ``True`` in v2, ``False`` in v1.
-        mask_token_id: v2 only (required there): target token whose frozen input embedding fills the
+        mask_token_id: v2 only (required there to build a drafter): target token whose frozen input embedding fills the
             γ-1 mask slots; it should be a reserved token the drafter never drafts (outside the draft
             vocabulary). ``None`` in v1 (a learned ``mask_embedding`` fills them).
         full_token_table: ``W1`` has one row per TARGET token (``[V, r]``, as the reference heads'
@@ -86,7 +86,9 @@ class DSparkConfig(PreTrainedConfig):
             ``1..vocab_size``, γ in ``1..16``, ``confidence_threshold`` in ``[0, 1]``,
             ``target_layer_ids`` be a non-empty list of distinct layers of the target, the sequential
             head / verification mode known names; an unknown ``dspark_version``, or version-inconsistent
-            ``qk_norm``/``mask_token_id`` (the message names the fix).
+            ``qk_norm``/``mask_token_id`` (the message names the fix). A v2 config may leave
+            ``mask_token_id`` unset (``DSparkConfig()`` builds with the defaults, as transformers needs);
+            building a drafter from it raises (:meth:`check_mask_token`).
     """
 
     model_type = "dspark"
@@ -163,13 +165,8 @@ class DSparkConfig(PreTrainedConfig):
         if self.dspark_version >= 2:
             if not self.qk_norm:
                 raise ValueError("dspark_version 2 drafters use QK-norm: drop qk_norm=False (or use dspark_version=1)")
-            if self.mask_token_id is None:
-                raise ValueError(
-                    "dspark_version 2 needs mask_token_id: a reserved target token outside the draft vocabulary "
-                    "whose embedding fills the mask slots (e.g. DSparkConfig.for_target(target, mask_token_id=16) "
-                    "for SmolLM2's <empty_output>; dspark_hf.training.reserved_mask_token picks one from a tokenizer)"
-                )
-            if not is_int(self.mask_token_id) or not 0 <= self.mask_token_id < self.vocab_size:
+            if self.mask_token_id is not None and (
+                    not is_int(self.mask_token_id) or not 0 <= self.mask_token_id < self.vocab_size):
                 raise ValueError(f"mask_token_id {self.mask_token_id} must lie in 0..{self.vocab_size - 1} (a target token id)")
         elif self.qk_norm or self.mask_token_id is not None:
             raise ValueError(
@@ -189,6 +186,23 @@ class DSparkConfig(PreTrainedConfig):
             raise ValueError(
                 f"target_layer_ids {ids} must lie in 0..{self.target_num_layers - 1} "
                 "(the target's decoder layers)"
+            )
+
+    def check_mask_token(self):
+        """Raise unless a v2 config names its ``mask_token_id``: a drafter cannot be built without it.
+
+        A v2 config without one is valid as a config (transformers builds ``DSparkConfig()`` with the defaults,
+        e.g. to diff a config against them), so the check runs where a drafter is built (``DSparkDrafter``,
+        :meth:`for_target`).
+
+        Raises:
+            ValueError: naming the fix.
+        """
+        if self.dspark_version >= 2 and self.mask_token_id is None:
+            raise ValueError(
+                "dspark_version 2 needs mask_token_id: a reserved target token outside the draft vocabulary "
+                "whose embedding fills the mask slots (e.g. DSparkConfig.for_target(target, mask_token_id=16) "
+                "for SmolLM2's <empty_output>; dspark_hf.training.reserved_mask_token picks one from a tokenizer)"
             )
 
     def _check_fields(self):
@@ -257,4 +271,6 @@ class DSparkConfig(PreTrainedConfig):
             rope_theta=rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0)),
             max_position_embeddings=tc.max_position_embeddings,
         )
-        return cls(**{**defaults, **kwargs})
+        config = cls(**{**defaults, **kwargs})
+        config.check_mask_token()
+        return config

@@ -75,6 +75,7 @@ class DSparkDrafter(PreTrainedModel):
     _no_split_modules = ["DSparkLayer"]
 
     def __init__(self, config: DSparkConfig):
+        config.check_mask_token()  # v2: the mask slots' token (a config alone may leave it unset)
         super().__init__(config)
         self.calibration = None  # STS of the confidences, §3.2.1 (dspark_hf.decoding.calibration)
         self.last_stats = None  # per-round statistics of the last generate() call
