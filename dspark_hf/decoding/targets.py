@@ -116,7 +116,8 @@ def load_default_target(dtype: torch.dtype = torch.float32, prepack: bool | None
     return load_target(None, dtype, prepack, stock_kernels)
 
 
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    """Token ids of ``prompt`` as one user turn under the target's chat template, ready to answer."""
-    messages = [{"role": "user", "content": prompt}]
+def chat_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
+    """Token ids of ``prompt`` under the target's chat template, ready to answer: one user turn, or a conversation
+    as chat messages (``[{"role": "user" | "assistant", "content": ...}, ...]``, ending with a user turn)."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
