@@ -116,11 +116,12 @@ class _CharTokenizer:
 
 
 def test_long_suite_is_held_out_conversations_in_its_token_window():
-    from dspark_hf.training.data import split_of
+    from dspark_hf.training.data import conversation_key, split_of
 
     prompts = suites_mod.long_prompts()
     kinds = [record_id.split(":")[0] for record_id, _ in prompts]
     assert kinds[:4] == ["doc", "turns", "doc", "turns"] and len(prompts) >= 12
+    assert len({conversation_key(record_id.split(":", 1)[1]) for record_id, _ in prompts}) == len(prompts)
     for record_id, messages in prompts:
         assert split_of(record_id.split(":", 1)[1]) == "test"  # never trained, validated or calibrated on
         assert [m["role"] for m in messages] == ["user", "assistant"] * (len(messages) // 2) + ["user"]

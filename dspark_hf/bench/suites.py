@@ -40,15 +40,15 @@ def long_prompts() -> list[tuple[str, list[dict]]]:
 
     Alternately a document (an opening user turn of 6k-14k characters: the users' own pasted texts with a question
     or request; id ``doc:<record>``) and a multi-turn conversation (at least 3 user turns, cut at its last one,
-    6k-14k characters in all; id ``turns:<record>``), each answered at its last user turn.
+    6k-14k characters in all; id ``turns:<record>``), each answered at its last user turn; one per conversation.
     :func:`encode_suites` keeps those of 1.5k-3.5k tokens.
     """
-    from ..training.data import load_sharegpt, split_of
+    from ..training.data import conversation_key, load_sharegpt, split_of
 
-    documents, conversations = [], []
+    documents, conversations, seen = [], [], set()
     for record in load_sharegpt():
-        if split_of(record["id"]) != "test":
-            continue
+        if split_of(record["id"]) != "test" or conversation_key(record["id"]) in seen:
+            continue  # one prompt per conversation (a record is one piece of it)
         turns = [(_ROLES.get(t.get("from")), (t.get("value") or "").strip()) for t in record.get("conversations") or []]
         users = [i for i, (role, _) in enumerate(turns) if role == "user"]
         if not users or any(role is None or not text for role, text in turns):
@@ -61,6 +61,9 @@ def long_prompts() -> list[tuple[str, list[dict]]]:
             documents.append((f"doc:{record['id']}", messages[:1]))
         elif len(users) >= 3 and LONG_CHARS[0] <= sum(len(text) for _, text in turns) <= LONG_CHARS[1]:
             conversations.append((f"turns:{record['id']}", messages))
+        else:
+            continue
+        seen.add(conversation_key(record["id"]))
     pairs = zip_longest(documents, conversations)
     return [item for pair in pairs for item in pair if item is not None]
 
