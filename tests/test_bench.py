@@ -108,6 +108,32 @@ def test_small_helpers(tmp_path):
     assert suites_mod.read_prompts_file(file) == [("1", "hi"), ("x", "yo")]
 
 
+class _CharTokenizer:
+    """A chat template of one token per 4 characters of content (what ``encode_suites`` needs of a tokenizer)."""
+
+    def apply_chat_template(self, messages, **kwargs):
+        return [0] * (sum(len(m["content"]) for m in messages) // 4)
+
+
+def test_long_suite_is_held_out_conversations_in_its_token_window():
+    from dspark_hf.training.data import conversation_key, split_of
+
+    prompts = suites_mod.long_prompts()
+    kinds = [record_id.split(":")[0] for record_id, _ in prompts]
+    assert kinds[:4] == ["doc", "turns", "doc", "turns"] and len(prompts) >= 12
+    assert len({conversation_key(record_id.split(":", 1)[1]) for record_id, _ in prompts}) == len(prompts)
+    for record_id, messages in prompts:
+        assert split_of(record_id.split(":", 1)[1]) == "test"  # never trained, validated or calibrated on
+        assert [m["role"] for m in messages] == ["user", "assistant"] * (len(messages) // 2) + ["user"]
+        assert len(messages) == 1 if record_id.startswith("doc:") else len(messages) >= 5
+    encoded, skipped = suites_mod.encode_suites(_CharTokenizer(), {"long": prompts, "chat": [("c", "x" * 2000)]},
+                                                limit=6, max_prompt_tokens=320)
+    assert len(encoded["long"]) == 6 and all(1500 <= len(ids) <= 3500 for _, ids in encoded["long"])
+    assert encoded["chat"] == [] and skipped["chat"] == 1  # the other suites keep --max-prompt-tokens
+    with pytest.raises(ValueError, match="unknown suites"):
+        suites_mod.suite_texts(["longer"])
+
+
 # ------------------------------------------------------------------------------------- smoke run
 V, D = 96, 64
 

@@ -297,8 +297,8 @@ def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps
         ``(result, raw)``: the :class:`~dspark_hf.evaluation.bench_result.BenchResult` (non-finite floats ``None``,
         as ``benchmarks.json`` holds them) and the raw records the plots need.
     """
-    from ..decoding.kernels import linear_kernels
     from ..decoding.profiling import load_or_profile_sps
+    from ..decoding.targets import kernels_label
     from ..training import data
 
     notes = list(notes or [])
@@ -342,7 +342,7 @@ def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps
 
     result = BenchResult(
         schema_version=SCHEMA_VERSION,
-        machine=MachineRecord.current(command, linear_kernels(target)),
+        machine=MachineRecord.current(command, kernels_label(target)),
         settings=RunSettings(**{**asdict(settings), "thresholds": list(settings.thresholds)}, math_filter=MathFilter(
             keywords_or_arithmetic=data.MATH_PATTERN.pattern, excluded=data.NOT_MATH_PATTERN.pattern,
             max_chars=data.MATH_MAX_CHARS)),

@@ -1,15 +1,21 @@
 """The prompt suites of ``dspark bench``: ``code`` = HumanEval; ``chat`` = held-out ShareGPT (``sharegpt_prompts("test")``,
 never train/validation/calibration) minus the math ones; ``math`` = the held-out ShareGPT conversations that
-:func:`~dspark_hf.training.data.is_math_problem` accepts; ``custom`` = a JSONL file of ``{"prompt": ...}`` lines."""
+:func:`~dspark_hf.training.data.is_math_problem` accepts; ``custom`` = a JSONL file of ``{"prompt": ...}`` lines;
+``long`` (not run by default) = held-out ShareGPT prompts of 1.5k-3.5k tokens (:func:`long_prompts`)."""
 
 from __future__ import annotations
 
 import json
 import os
 from collections.abc import Sequence
+from itertools import zip_longest
 from pathlib import Path
 
-SUITES = ("code", "chat", "math")
+SUITES = ("code", "chat", "math")  # run by default
+OTHER_SUITES = ("long", "custom")  # run when named (--suites)
+LONG_TOKENS = (1500, 3500)  # chat-formatted prompt length of the long suite, whatever --max-prompt-tokens says
+LONG_CHARS = (6000, 14000)  # a cheap pre-filter on the text, before tokenizing
+_ROLES = {"human": "user", "gpt": "assistant"}
 
 
 def read_prompts_file(path: str | os.PathLike) -> list[tuple[str, str]]:
@@ -29,22 +35,57 @@ def read_prompts_file(path: str | os.PathLike) -> list[tuple[str, str]]:
     return pairs
 
 
-def suite_texts(names: Sequence[str], prompts_file: str | None = None) -> dict[str, list[tuple[str, str]]]:
-    """``{suite: [(id, prompt), ...]}`` in each source's fixed order (no token filter, no limit yet).
+def long_prompts() -> list[tuple[str, list[dict]]]:
+    """The ``long`` suite: ``(id, chat messages)`` of held-out ShareGPT conversations (test split, never trained on).
+
+    Alternately a document (an opening user turn of 6k-14k characters: the users' own pasted texts with a question
+    or request; id ``doc:<record>``) and a multi-turn conversation (at least 3 user turns, cut at its last one,
+    6k-14k characters in all; id ``turns:<record>``), each answered at its last user turn; one per conversation.
+    :func:`encode_suites` keeps those of 1.5k-3.5k tokens.
+    """
+    from ..training.data import conversation_key, load_sharegpt, split_of
+
+    documents, conversations, seen = [], [], set()
+    for record in load_sharegpt():
+        if split_of(record["id"]) != "test" or conversation_key(record["id"]) in seen:
+            continue  # one prompt per conversation (a record is one piece of it)
+        turns = [(_ROLES.get(t.get("from")), (t.get("value") or "").strip()) for t in record.get("conversations") or []]
+        users = [i for i, (role, _) in enumerate(turns) if role == "user"]
+        if not users or any(role is None or not text for role, text in turns):
+            continue
+        turns = turns[: users[-1] + 1]
+        if any(role != ("user" if i % 2 == 0 else "assistant") for i, (role, _) in enumerate(turns)):
+            continue  # not alternating from a user turn
+        messages = [{"role": role, "content": text} for role, text in turns]
+        if LONG_CHARS[0] <= len(turns[0][1]) <= LONG_CHARS[1]:
+            documents.append((f"doc:{record['id']}", messages[:1]))
+        elif len(users) >= 3 and LONG_CHARS[0] <= sum(len(text) for _, text in turns) <= LONG_CHARS[1]:
+            conversations.append((f"turns:{record['id']}", messages))
+        else:
+            continue
+        seen.add(conversation_key(record["id"]))
+    pairs = zip_longest(documents, conversations)
+    return [item for pair in pairs for item in pair if item is not None]
+
+
+def suite_texts(names: Sequence[str], prompts_file: str | None = None) -> dict[str, list[tuple[str, str | list]]]:
+    """``{suite: [(id, prompt), ...]}`` in each source's fixed order (no token filter, no limit yet); a prompt is a
+    text (one user turn) or chat messages (the ``long`` suite).
 
     Raises:
         ValueError: an unknown suite, or ``custom`` without ``prompts_file``.
     """
     from ..training.data import humaneval_prompts, is_math_problem, sharegpt_prompts
 
-    unknown = set(names) - {*SUITES, "custom"}
+    unknown = set(names) - {*SUITES, *OTHER_SUITES}
     if unknown:
-        raise ValueError(f"unknown suites {sorted(unknown)}; choose from {[*SUITES, 'custom']}")
+        raise ValueError(f"unknown suites {sorted(unknown)}; choose from {[*SUITES, *OTHER_SUITES]}")
     held_out = sharegpt_prompts("test") if {"chat", "math"} & set(names) else []
     sources = {
         "code": lambda: humaneval_prompts(),
         "chat": lambda: [(i, p) for i, p in held_out if not is_math_problem(p)],
         "math": lambda: [(i, p) for i, p in held_out if is_math_problem(p)],
+        "long": long_prompts,
         "custom": lambda: read_prompts_file(prompts_file),
     }
     if "custom" in names and prompts_file is None:
@@ -53,7 +94,8 @@ def suite_texts(names: Sequence[str], prompts_file: str | None = None) -> dict[s
 
 
 def encode_suites(tokenizer, texts: dict[str, list[tuple[str, str]]], limit: int, max_prompt_tokens: int):
-    """The first ``limit`` prompts of each suite whose chat-formatted ids fit ``max_prompt_tokens``.
+    """The first ``limit`` prompts of each suite whose chat-formatted ids fit ``max_prompt_tokens`` (the ``long``
+    suite: whose length lies in ``LONG_TOKENS``).
 
     Returns:
         ``({suite: [(id, ids), ...]}, {suite: n_skipped_too_long})``.
@@ -63,11 +105,12 @@ def encode_suites(tokenizer, texts: dict[str, list[tuple[str, str]]], limit: int
     suites, skipped = {}, {}
     for name, pairs in texts.items():
         kept, skipped[name] = [], 0
+        low, high = LONG_TOKENS if name == "long" else (0, max_prompt_tokens)
         for record_id, prompt in pairs:
             if len(kept) == limit:
                 break
             ids = chat_ids(tokenizer, prompt)
-            if len(ids) > max_prompt_tokens:
+            if not low <= len(ids) <= high:
                 skipped[name] += 1
                 continue
             kept.append((record_id, ids))

@@ -15,7 +15,7 @@ from ..bench.loading import load_drafters, parse_drafters
 from ..bench.report import markdown_report, write_report
 from ..bench.runner import run_bench
 from ..bench.settings import BenchSettings
-from ..bench.suites import SUITES, encode_suites, suite_texts
+from ..bench.suites import LONG_TOKENS, OTHER_SUITES, SUITES, encode_suites, suite_texts
 from ..defaults import DEFAULT_BENCH_DRAFTERS
 from .common import add_command, load_cli_target
 
@@ -60,7 +60,8 @@ def run(args):
     suites, skipped = encode_suites(tokenizer, suite_texts(names, args.prompts), settings.limit, settings.max_prompt_tokens)
     for name, n in skipped.items():
         if n:
-            notes.append(f"suite {name!r}: {n} prompts longer than {settings.max_prompt_tokens} tokens skipped.")
+            window = "outside {}-{} tokens".format(*LONG_TOKENS) if name == "long" else f"longer than {settings.max_prompt_tokens} tokens"
+            notes.append(f"suite {name!r}: {n} prompts {window} skipped.")
         if len(suites[name]) < settings.limit:
             notes.append(f"suite {name!r} has only {len(suites[name])} prompts (limit {settings.limit}).")
     empty = [n for n, p in suites.items() if not p]
@@ -89,7 +90,7 @@ def add_parser(sub):
     p.add_argument("--drafters", default=DEFAULT_BENCH_DRAFTERS,
                    help="name=PATH,... (missing folders are skipped with a note); names 'dspark' and 'dflash' "
                         f"give tau_ratio_dspark_over_dflash (default: {DEFAULT_BENCH_DRAFTERS})")
-    p.add_argument("--suites", default=None, help=f"comma-separated subset of {','.join(SUITES)},custom "
+    p.add_argument("--suites", default=None, help=f"comma-separated subset of {','.join(SUITES + OTHER_SUITES)} "
                                                   "(default: all three, or only custom with --prompts)")
     p.add_argument("--prompts", default=None, help="JSONL file, one {\"prompt\": ...} per line: the 'custom' suite")
     p.add_argument("--no-builtin-dflash", action="store_true", help="skip the built-in speculation_type='dflash' path")

@@ -69,14 +69,14 @@ def check_prompt_fits(prompt_length: int, max_new_tokens: int, target) -> None:
 
 
 def load_cli_target(args):
-    """``(target, tokenizer)`` for ``--target`` on ``--device``; on the CPU with oneDNN-prepacked kernels unless
-    ``--stock-kernels``."""
+    """``(target, tokenizer)`` for ``--target`` on ``--device``; on the CPU with this package's kernels
+    (:func:`~dspark_hf.decoding.targets.use_cpu_kernels`) unless ``--stock-kernels``."""
     from ..decoding.targets import load_target
 
     check_location(args.target, "--target")
     device = getattr(args, "device", "cpu")
-    stock = getattr(args, "stock_kernels", False) or device != "cpu"  # prepacked kernels are CPU kernels
-    target, tokenizer = load_target(args.target, prepack=False if stock else None)
+    stock = getattr(args, "stock_kernels", False) or device != "cpu"  # CPU kernels (linears, attention, cache)
+    target, tokenizer = load_target(args.target, stock_kernels=stock)
     return target.to(device), tokenizer
 
 
@@ -110,6 +110,7 @@ def add_command(sub, name, run, help, drafter=False, kernels=False, compute=Fals
     if kernels:
         p.add_argument("--device", default="cpu", help="device of the target and drafter, e.g. cuda (default cpu)")
         p.add_argument("--stock-kernels", action="store_true",
-                       help="run the target's linear layers on torch's stock CPU kernels instead of oneDNN "
-                            "prepacked ones (dspark_hf.decoding.kernels; prepacking is the default where torch has oneDNN)")
+                       help="run the target on transformers' stock CPU kernels (linears, SDPA attention, DynamicCache) "
+                            "instead of this package's (dspark_hf.decoding.targets.use_cpu_kernels: oneDNN prepacked "
+                            "linears, grouped-query SDPA, an O(new tokens) KV cache)")
     return p

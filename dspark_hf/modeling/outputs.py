@@ -10,22 +10,30 @@ from dataclasses import dataclass
 
 import torch
 
+from .kv_buffer import KVBuffer
+
 
 class DraftContext:
     """The drafter's context K/V cache for one request: per layer ``[1, kv_heads, n, head_dim]``.
 
     It only ever holds positions the target has ACCEPTED (the features of a round's accepted prefix
-    are appended after verification), so a rejection never leaves stale entries to crop.
+    are appended after verification), so a rejection never leaves stale entries to crop. Each layer's
+    keys/values live in a :class:`~dspark_hf.modeling.kv_buffer.KVBuffer`: an append costs O(new positions).
     """
 
     def __init__(self, num_layers: int):
-        self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+        self.buffers = [KVBuffer() for _ in range(num_layers)]
         self.length = 0
 
+    @property
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per layer ``(keys, values)``, each ``[1, kv_heads, length, head_dim]`` (``None`` while empty)."""
+        return [None if b.keys is None else (b.keys, b.values) for b in self.buffers]
+
     def append(self, kv_per_layer: list[tuple[torch.Tensor, torch.Tensor]], n: int):
-        for i, (k, v) in enumerate(kv_per_layer):
-            old = self.layers[i]
-            self.layers[i] = (k, v) if old is None else (torch.cat([old[0], k], 2), torch.cat([old[1], v], 2))
+        """Append ``n`` positions: per layer ``(k, v)`` of shape ``[1, kv_heads, n, head_dim]``."""
+        for buffer, (k, v) in zip(self.buffers, kv_per_layer):
+            buffer.append(k, v)
         self.length += n
 
 

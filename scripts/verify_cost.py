@@ -1,0 +1,130 @@
+"""What verification costs at long contexts: target forward of B new tokens over a KV cache of ``ctx`` tokens,
+transformers' stock kernels, prepacked linears only (before issue 23) and this package's (``use_cpu_kernels``: prepacked linears, grouped-query SDPA,
+O(new tokens) cache), plus plain greedy decoding per token at short and long prompts (issue 23).
+
+Run under the shared CPU lock, one thread:
+
+    flock /tmp/cpu.lock python scripts/verify_cost.py --threads 1 --repeats 7 --out docs/long/verify_cost.md
+
+Timings interleave the two variants (stock, new, stock, new, ...) so that load bursts hit both alike; each cell
+is the median of ``--repeats`` timings after one untimed warm-up. The cache is filled by one real prefill of 256
+random tokens, then lengthened by repeating its keys/values (timings do not depend on their values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from dspark_hf.decoding.kernels import prepack_linears
+from dspark_hf.decoding.kv_cache import generation_cache
+from dspark_hf.decoding.profiling import grow_cache, time_verify_step
+from dspark_hf.decoding.targets import kernels_label, load_default_target
+
+
+def filled_cache(model, ctx: int):
+    """The cache ``model.generate`` would use, holding ``ctx`` positions (prefill 256, then repeated)."""
+    cache = generation_cache(model)
+    prompt = torch.randint(model.config.vocab_size, (1, min(ctx, 256)), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        model(input_ids=prompt, cache=cache, use_cache=True)
+    grow_cache(model, cache, ctx)
+    return cache
+
+
+def forward_table(models: dict, contexts, sizes, repeats: int) -> dict:
+    """``{(name, ctx, B): median ms}`` of one target forward of B tokens over ``ctx`` cached positions."""
+    out = {}
+    blocks = {b: torch.randint(1000, (1, b), generator=torch.Generator().manual_seed(b)) for b in sizes}
+    for ctx in contexts:
+        caches = {name: filled_cache(m, ctx) for name, m in models.items()}
+        for b in sizes:
+            times = {name: [] for name in models}
+            for r in range(repeats + 1):
+                for name, m in models.items():
+                    t = time_verify_step(m, caches[name], blocks[b])
+                    if r:  # the first round is the warm-up
+                        times[name].append(t)
+            for name in models:
+                out[name, ctx, b] = 1e3 * statistics.median(times[name])
+        del caches
+    return out
+
+
+class _Clock(BaseStreamer):
+    """Records when ``generate`` hands over each token (the prompt first, then one put per new token)."""
+
+    def __init__(self):
+        self.times = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+@torch.inference_mode()
+def decode_steps_ms(model, prompt_len: int, new_tokens: int) -> list[float]:
+    """Milliseconds of each plain greedy decoding step after a ``prompt_len``-token prompt (the prefill step
+    excluded): the intervals between consecutive tokens of one ``generate`` call."""
+    prompt = torch.randint(1000, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
+    clock = _Clock()
+    model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                   streamer=clock)
+    return [1e3 * (b - a) for a, b in zip(clock.times[1:], clock.times[2:])]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 2048, 4096])
+    p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 8, 32])
+    p.add_argument("--decode-prompts", type=int, nargs="+", default=[256, 2048])
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--decode-repeats", type=int, default=3)
+    p.add_argument("--out", type=Path, default=None, help="also write the markdown tables here")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    models = {"stock": load_default_target(stock_kernels=True)[0],  # what transformers gives
+              "prepacked": prepack_linears(load_default_target(stock_kernels=True)[0]),  # before issue 23
+              "new": load_default_target()[0]}
+    labels = {name: kernels_label(m) for name, m in models.items()}
+    table = forward_table(models, args.contexts, args.sizes, args.repeats)
+    lines = [f"Target forward of B new tokens over a KV cache of ctx tokens, ms (median of {args.repeats}, "
+             f"{args.threads} thread(s)); each cell: " + " / ".join(f"{n} (`{label}`)" for n, label in labels.items()) + ".", "",
+             "| ctx | " + " | ".join(f"B={b}" for b in args.sizes) + " | B=8 / B=1 |",
+             "|---" * (len(args.sizes) + 2) + "|"]
+    for ctx in args.contexts:
+        cells = [" / ".join(f"{table[n, ctx, b]:.1f}" for n in models) for b in args.sizes]
+        ratio = ""
+        if 1 in args.sizes and 8 in args.sizes:
+            ratio = " / ".join(f"{table[n, ctx, 8] / table[n, ctx, 1]:.2f}" for n in models)
+        lines.append(f"| {ctx} | " + " | ".join(cells) + f" | {ratio} |")
+    decode = {}
+    for prompt_len in args.decode_prompts:
+        for name, m in models.items():
+            decode[name, prompt_len] = []
+        for _ in range(args.decode_repeats):
+            for name, m in models.items():
+                decode[name, prompt_len] += decode_steps_ms(m, prompt_len, args.decode_tokens)
+    lines += ["", f"Plain greedy `generate`, ms per decoding step (median over {args.decode_repeats} calls × "
+              f"{args.decode_tokens - 1} steps, prefill excluded):", "", "| prompt | " + " | ".join(models) + " |", "|---" * (len(models) + 1) + "|"]
+    for prompt_len in args.decode_prompts:
+        lines.append(f"| {prompt_len} | " + " | ".join(f"{statistics.median(decode[n, prompt_len]):.1f}"
+                                                      for n in models) + " |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
