@@ -27,6 +27,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
 from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling, prepack_linears
+from dspark_hf.decoding.calibration import OnlineCorrection
 from dspark_hf.decoding.lookup import LookupDrafting, RoundPlan, find_continuation
 from dspark_hf.decoding.scheduler import schedule_global, schedule_prefix, threshold_prefix
 from dspark_hf.modeling.configuration_dspark import MAX_BLOCK_SIZE
@@ -96,11 +97,15 @@ def assert_greedy_identical(target, out, ref, context=""):
 
 
 def check_stats(drafter, out, prompt_len, max_new, gamma, mode, threshold=THRESHOLD):
-    """Round statistics agree with the output: ℓ, accepted counts, τ and the token total."""
+    """Round statistics agree with the output: ℓ, accepted counts, τ and the token total.
+
+    The scheduled modes' ℓ is replayed with an online correction fed only by the rounds BEFORE each round: a
+    correction that heard from the round's own drafts before scheduling them would not be reproduced."""
     stats = drafter.last_stats
     max_length = prompt_len + max_new
     length = prompt_len + 1  # the prefill step emits the first token; no round is recorded for it
     previous = None  # "async": calibrated confidences of the previous round (paper §5.2)
+    correction = OnlineCorrection()
     for i, r in enumerate(stats.rounds):
         assert r.drafted == min(gamma, max_length - length - 1) >= 0
         assert r.drafted >= 1 or i == len(stats.rounds) - 1  # a round without drafts is only the last verification
@@ -114,14 +119,16 @@ def check_stats(drafter, out, prompt_len, max_new, gamma, mode, threshold=THRESH
             if mode == "threshold":
                 assert r.scheduled == threshold_prefix(r.confidences, threshold)
             else:
-                c = drafter.calibration.apply(torch.tensor(r.confidences))
+                calibrated = drafter.calibration.apply(torch.tensor(r.confidences))
+                c = correction.apply(calibrated)
                 sps = drafter.sps_curve.steps_per_s[: r.drafted + 1]
-                if mode == "scheduler":
+                if mode == "scheduler" or previous is None:  # "async" schedules its first block as "scheduler"
                     assert r.scheduled == schedule_prefix(c, sps)
                 else:
-                    expected = r.drafted if previous is None else schedule_global(torch.cat([c[:1], previous[1:]]), sps)
-                    assert r.scheduled == expected
-                    previous = c
+                    assert r.scheduled == schedule_global(torch.cat([c[:1], previous[1:]]), sps)
+                previous = c
+                if r.scheduled:
+                    correction.observe(calibrated[: r.scheduled].tolist(), r.accepted)
         length += r.accepted + 1
     assert out.shape[1] == length, "every generated token belongs to the prefill or to exactly one round"
     assert stats.new_tokens == out.shape[1] - prompt_len
@@ -616,27 +623,29 @@ def lookup_references(target, lookup_prompts):
     return [target.generate(p, max_new_tokens=LOOKUP_NEW, do_sample=False) for p in lookup_prompts]
 
 
-def mode_length(drafter, confidences, gamma, mode, previous):
+def mode_length(drafter, confidences, gamma, mode, previous, correction):
     """ℓ of a DSpark round by the verification mode (as check_stats); returns ``(ℓ, previous for async)``."""
     if mode == "fixed":
         return gamma, previous
     if mode == "threshold":
         return threshold_prefix(confidences, THRESHOLD), previous
-    c = drafter.calibration.apply(torch.tensor(confidences))
+    c = correction.apply(drafter.calibration.apply(torch.tensor(confidences)))
     sps = drafter.sps_curve.round_rates(0, drafts=True)[: gamma + 1]  # one context row: any context reads it
-    if mode == "scheduler":
-        return schedule_prefix(c, sps), previous
-    return (gamma if previous is None else schedule_global(torch.cat([c[:1], previous[1:]]), sps)), c
+    if mode == "scheduler" or previous is None:
+        return schedule_prefix(c, sps), c
+    return schedule_global(torch.cat([c[:1], previous[1:]]), sps), c
 
 
 def check_lookup_stats(drafter, out, prompt_len, max_new, gamma, mode):
     """Replay every round's plan from the output tokens and the earlier rounds only, and check the round against it.
 
     Returns the list of planned sources. A plan that looked at the round's own drafts (or its confidences) would
-    not be reproduced here: the replay plans each round before reading anything the round drafted.
+    not be reproduced here: the replay plans each round before reading anything the round drafted, and the online
+    correction of the scheduled modes hears from a round only after the round is checked.
     """
     stats = drafter.last_stats
-    state = LookupDrafting(drafter.calibration, drafter.sps_curve, MAX_BLOCK_SIZE)
+    correction = OnlineCorrection() if mode in ("scheduler", "async") else None
+    state = LookupDrafting(drafter.calibration, drafter.sps_curve, MAX_BLOCK_SIZE, correction)
     max_length = prompt_len + max_new
     length, previous, sources = prompt_len + 1, None, []
     for i, r in enumerate(stats.rounds):
@@ -659,9 +668,13 @@ def check_lookup_stats(drafter, out, prompt_len, max_new, gamma, mode):
             if plan.source == "hybrid":
                 assert r.scheduled == plan.length > k >= 1
             else:
-                ell, previous = mode_length(drafter, r.confidences, gamma_r, mode, previous)
-                assert r.scheduled == ell
+                ell, previous = mode_length(drafter, r.confidences, gamma_r, mode, previous,
+                                            correction or OnlineCorrection())
+                assert r.scheduled == (max(ell, 1) if plan.probe else ell)  # a probe verifies a draft
             state.observe_block(torch.tensor(r.confidences))
+            if correction is not None and r.scheduled > k and r.accepted >= k:  # heard from after verification
+                calibrated = drafter.calibration.apply(torch.tensor(r.confidences)).tolist()
+                correction.observe(calibrated[k:r.scheduled], r.accepted - k)
         assert torch.equal(out[0, length:length + r.accepted], torch.tensor(r.draft_tokens[:r.accepted]))
         state.update(out[:, :length + r.accepted + 1], r.accepted)
         sources.append(plan.source)

@@ -61,9 +61,20 @@ def test_acceptance_counts_by_effective_match_length():
     assert (est.accepted, est.rejected) == ([0, 0, 1, 1, 0], [0, 0, 0, 0, 1])
     est.update(match, [10])  # only one token produced: position 2 unseen
     assert est.accepted == [0, 0, 2, 1, 0]
-    assert est.conditionals(match) == [3 / 4, 2 / 3, 1 / 3, 1 / 3]
-    est.update(LookupMatch((5,), 1), [6, 7])
-    assert est.rejected[1] == 1 and est.conditionals(LookupMatch((5, 6), 1)) == [1 / 3, 3 / 4]
+    # priors pooled apart (s·p, s = 2): first tokens 2 accepted of 2 -> 2·3/4; later ones 1 of 2 -> 2·2/4
+    assert est.conditionals(match) == pytest.approx([(2 + 1.5) / 4, (1 + 1) / 3, (0 + 1) / 3, (0 + 1) / 3])
+    est.update(LookupMatch((5,), 1), [6, 7])  # a first token rejected: first-token pool 2 of 3
+    assert est.rejected[1] == 1
+    assert est.conditionals(LookupMatch((5, 6), 1)) == pytest.approx([(0 + 2 * 3 / 5) / 3, (2 + 1) / 4])
+
+
+def test_a_prompt_whose_lookups_fail_stops_trusting_new_lengths():
+    """A length never seen starts from the generation's pooled first-token rate, not from 1/2."""
+    est = LookupAcceptance(max_ngram=8)
+    for n in range(1, 7):  # six first tokens rejected, each at another match length
+        est.update(LookupMatch((1, 2), n), [9])
+    fresh = est.conditionals(LookupMatch((1, 2), 7))[0]
+    assert fresh == pytest.approx(2 * (0 + 1) / (6 + 2) / 2)  # (0 + s·p) / (0 + s), p = 1/8
 
 
 # ---------------------------------------------------------------------------------- the choice
