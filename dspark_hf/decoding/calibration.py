@@ -47,7 +47,6 @@ from ..modeling.modeling_dspark import CALIBRATION_FILE
 __all__ = [
     "CALIBRATION_FILE",
     "DEFAULT_GRID",
-    "CorrectedCalibration",
     "OnlineCorrection",
     "SequentialTemperatureScaling",
     "brier_score",
@@ -289,19 +288,6 @@ class OnlineCorrection:
             raise ValueError(f"accepted must be in 0..{len(calibrated)} (the verified drafts), got {accepted}")
         self.expected += float(sum(calibrated[: accepted + 1]))
         self.accepted += accepted
-
-
-class CorrectedCalibration:
-    """STS followed by an :class:`OnlineCorrection`: what the scheduled modes read as "the calibration" in a
-    ``generate`` call (``apply`` as :meth:`SequentialTemperatureScaling.apply`)."""
-
-    def __init__(self, calibration: SequentialTemperatureScaling, correction: OnlineCorrection):
-        self.calibration = calibration
-        self.correction = correction
-        self.temperatures = calibration.temperatures
-
-    def apply(self, confidences: torch.Tensor) -> torch.Tensor:
-        return self.correction.apply(self.calibration.apply(confidences))
 
 
 def _calibration_file(path: str | os.PathLike, create: bool) -> Path:

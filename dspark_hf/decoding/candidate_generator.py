@@ -33,7 +33,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..modeling.configuration_dspark import MAX_BLOCK_SIZE, VERIFICATION_MODES
 from ..modeling.modeling_dspark import DSparkDrafter
-from .calibration import CorrectedCalibration, OnlineCorrection
+from .calibration import OnlineCorrection
 from .kernels import is_prepacked, prepack_linears
 from .lookup import LookupDrafting, lookup_enabled, one_hot_logits
 from .profiling import load_or_profile_sps
@@ -84,8 +84,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if (POLICIES[self.mode].needs_calibration or use_lookup) and stale:
             drafter.set_sps_curve(load_or_profile_sps(target, max_tokens=max(cfg.block_size, self.block_size) + 1))
         self.sps = drafter.sps_curve
-        # the scheduled modes learn how far this prompt's drafts beat or miss their calibrated confidences
-        self.correction = OnlineCorrection() if POLICIES[self.mode].needs_calibration else None
+        # the round planner learns how far this prompt's drafts beat or miss their calibrated confidences
+        self.correction = OnlineCorrection() if use_lookup else None
         self.lookup = (LookupDrafting(drafter.calibration, self.sps, MAX_BLOCK_SIZE, self.correction)
                        if use_lookup else None)
         self.do_sample = bool(generation_config.do_sample)
@@ -221,10 +221,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
     def _prefix_length(self, block, gamma: int) -> int:
         """ℓ in 0..γ by the call's verification policy (:mod:`dspark_hf.decoding.verification`)."""
         sps = self.sps.round_rates(self._verify_context, drafts=True)[: gamma + 1] if self.policy.needs_calibration else None
-        calibration = self.drafter.calibration
-        if self.correction is not None:
-            calibration = CorrectedCalibration(calibration, self.correction)
-        return self.policy.prefix_length(block.confidences, calibration, sps, gamma, self.threshold)
+        return self.policy.prefix_length(block.confidences, self.drafter.calibration, sps, gamma, self.threshold)
 
     def _observe_verified_drafts(self, last: RoundStats):
         """Fold the verified DSpark drafts of the round just verified into the online correction: block positions

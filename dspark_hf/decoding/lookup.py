@@ -17,9 +17,10 @@ bookkeeping every round, the drafter's pass only in rounds that draft):
   expected to repay its cost. Such rounds skip the drafter entirely (its context is caught up only when a round
   drafts again), so a stretch of them runs at the cost of plain decoding. The DSpark estimate they are judged by
   is refreshed by a probe: after ``probe_interval`` rounds without a drafted block (:data:`REFRESH_ROUNDS` at first),
-  a round that would be ``"target"`` drafts a DSpark block and verifies at least its first draft. A probe whose
-  drafts are all rejected doubles the interval (up to :data:`MAX_PROBE_INTERVAL`), one that is accepted resets it,
-  so a prompt the drafter cannot follow loses at most one drafter pass and one verified token per interval.
+  a round that would be ``"target"`` drafts a DSpark block and verifies at least its first draft (so the online
+  correction hears from the drafter). Each probe doubles the interval (up to :data:`MAX_PROBE_INTERVAL`); a round
+  that plans DSpark or a hybrid on its own merits resets it, so a prompt the drafter cannot follow loses at most
+  one drafter pass and one verified token per interval.
 
 Survival estimates (``a_j = Π_{i<=j} c_i``):
 
@@ -294,7 +295,6 @@ class LookupDrafting:
         self.block_age = 0  # rounds planned since that block was drafted
         self.probe_interval = REFRESH_ROUNDS  # rounds without a drafted block before a "target" round probes
         self._match: LookupMatch | None = None
-        self._probing = False
 
     def plan(self, input_ids: torch.Tensor, gamma: int, room: int) -> RoundPlan:
         """Plan the round from the accepted text ``input_ids`` ``(1, L)`` (anchor last), γ and the number of draft
@@ -305,11 +305,14 @@ class LookupDrafting:
         source, k, length, theta = plan_round(lookup, self.dspark_estimate(), self.curve.round_rates(context, False),
                                               gamma, self.curve.round_rates(context, True), MARGIN)
         self.block_age += 1
-        self._probing = source == "target" and self.block_age > self.probe_interval
-        if self._probing:  # the estimate is stale: draft to refresh it
+        probe = source == "target" and self.block_age > self.probe_interval
+        if probe:  # the estimate is stale: draft to refresh it, and wait twice as long for the next probe
             source, length = "dspark", None
+            self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+        elif source in ("dspark", "hybrid"):  # the drafter is worth its pass again
+            self.probe_interval = REFRESH_ROUNDS
         tokens = self._match.tokens[:k] if k else ()
-        return RoundPlan(source, tokens, length, theta, self._probing)
+        return RoundPlan(source, tokens, length, theta, probe)
 
     def dspark_estimate(self) -> list[float] | None:
         """The DSpark conditionals the next plan reads: the last block's calibrated ``c'`` with the current online
@@ -325,12 +328,7 @@ class LookupDrafting:
 
     def update(self, input_ids: torch.Tensor, num_matches: int) -> None:
         """After verification: score the round's lookup continuation against its ``num_matches + 1`` produced
-        tokens (the end of ``input_ids`` ``(1, L')``); after a probe, reset its interval when a draft was accepted,
-        else double it (at most :data:`MAX_PROBE_INTERVAL`)."""
-        if self._probing:
-            self.probe_interval = REFRESH_ROUNDS if num_matches > 0 else min(2 * self.probe_interval,
-                                                                              MAX_PROBE_INTERVAL)
-            self._probing = False
+        tokens (the end of ``input_ids`` ``(1, L')``)."""
         if self._match is not None:
             produced = input_ids[0, input_ids.shape[1] - int(num_matches) - 1:].tolist()
             self.acceptance.update(self._match, produced)
