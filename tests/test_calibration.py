@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dspark_hf.decoding.calibration import (
+    OnlineCorrection,
     SequentialTemperatureScaling,
     brier_score,
     expected_calibration_error,
@@ -114,3 +115,27 @@ def test_scale_temperature_identity_and_extremes():
 def test_bad_input_raises(fitted, call, message):
     with pytest.raises(ValueError, match=message):
         call(fitted[0])
+
+
+# ----------------------------------------------------------------------------- online correction
+def test_online_correction_matches_the_means_of_the_verified_drafts():
+    correction = OnlineCorrection(prior=2.0)
+    assert correction.factor == 1.0  # no round yet: the calibration as it is
+    correction.observe([0.6, 0.5], 0)  # draft 1 rejected: only position 1 was reached
+    assert correction.factor == pytest.approx(2 / 2.6)
+    correction.observe([0.8, 0.5, 0.4], 3)  # all accepted: every position reached
+    assert correction.factor == pytest.approx((3 + 2) / (0.6 + 1.7 + 2))
+    f = (3 + 2) / 4.3
+    assert correction.apply(torch.tensor([0.5, 0.9])).tolist() == pytest.approx([0.5 * f, 1.0])  # capped at 1
+    with pytest.raises(ValueError, match="accepted must be in 0..2"):
+        correction.observe([0.5, 0.5], 3)
+    with pytest.raises(ValueError, match="prior must be > 0"):
+        OnlineCorrection(prior=0)
+
+
+def test_failing_drafts_halve_the_estimates_within_a_few_rounds():
+    """Calibrated c_1 = 0.6, always rejected: after three rounds f = 2 / 3.8 (< 0.55)."""
+    correction = OnlineCorrection()
+    for _ in range(3):
+        correction.observe([0.6, 0.6, 0.6], 0)
+    assert correction.factor == pytest.approx(2 / 3.8) and correction.factor < 0.55

@@ -15,7 +15,16 @@ import random
 
 import pytest
 import torch
-from conftest import CYCLE, CYCLE_VOCAB, LLAMA_DEFAULT_TOKENS, cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
+from conftest import (
+    CPU_MS,
+    CYCLE,
+    CYCLE_VOCAB,
+    LLAMA_DEFAULT_TOKENS,
+    cycle_drafter,
+    cycle_target,
+    tiny_llama,
+    tiny_sps_curve,
+)
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
@@ -27,6 +36,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
 from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling, prepack_linears
+from dspark_hf.decoding.calibration import OnlineCorrection
 from dspark_hf.decoding.lookup import LookupDrafting, RoundPlan, find_continuation
 from dspark_hf.decoding.scheduler import schedule_global, schedule_prefix, threshold_prefix
 from dspark_hf.modeling.configuration_dspark import MAX_BLOCK_SIZE
@@ -116,12 +126,11 @@ def check_stats(drafter, out, prompt_len, max_new, gamma, mode, threshold=THRESH
             else:
                 c = drafter.calibration.apply(torch.tensor(r.confidences))
                 sps = drafter.sps_curve.steps_per_s[: r.drafted + 1]
-                if mode == "scheduler":
+                if mode == "scheduler" or previous is None:  # "async" schedules its first block as "scheduler"
                     assert r.scheduled == schedule_prefix(c, sps)
                 else:
-                    expected = r.drafted if previous is None else schedule_global(torch.cat([c[:1], previous[1:]]), sps)
-                    assert r.scheduled == expected
-                    previous = c
+                    assert r.scheduled == schedule_global(torch.cat([c[:1], previous[1:]]), sps)
+                previous = c
         length += r.accepted + 1
     assert out.shape[1] == length, "every generated token belongs to the prefill or to exactly one round"
     assert stats.new_tokens == out.shape[1] - prompt_len
@@ -535,8 +544,8 @@ def sample_tables(target, prompt, drafter, mode, n, first_rounds=None, **kwargs)
             first_rounds.append(rounds[0])
         accepting += rounds[0].accepted >= 1
         verifying += rounds[0].scheduled >= 1
-        # "async" verifies all of round 1 and plans round 2 from it; the other modes decide in round 1
-        lengths |= {r.scheduled for r in (rounds[1:] if mode == "async" else rounds[:1]) if r.drafted}
+        # every mode decides in round 1 ("async" schedules its first block as "scheduler")
+        lengths |= {r.scheduled for r in rounds[:1] if r.drafted}
     return (first_pair, second_pair), accepting / max(verifying, 1), lengths
 
 
@@ -624,19 +633,21 @@ def mode_length(drafter, confidences, gamma, mode, previous):
         return threshold_prefix(confidences, THRESHOLD), previous
     c = drafter.calibration.apply(torch.tensor(confidences))
     sps = drafter.sps_curve.round_rates(0, drafts=True)[: gamma + 1]  # one context row: any context reads it
-    if mode == "scheduler":
-        return schedule_prefix(c, sps), previous
-    return (gamma if previous is None else schedule_global(torch.cat([c[:1], previous[1:]]), sps)), c
+    if mode == "scheduler" or previous is None:
+        return schedule_prefix(c, sps), c
+    return schedule_global(torch.cat([c[:1], previous[1:]]), sps), c
 
 
 def check_lookup_stats(drafter, out, prompt_len, max_new, gamma, mode):
     """Replay every round's plan from the output tokens and the earlier rounds only, and check the round against it.
 
     Returns the list of planned sources. A plan that looked at the round's own drafts (or its confidences) would
-    not be reproduced here: the replay plans each round before reading anything the round drafted.
+    not be reproduced here: the replay plans each round before reading anything the round drafted, and the online
+    correction of the DSpark estimate hears from a round only after the round is checked.
     """
     stats = drafter.last_stats
-    state = LookupDrafting(drafter.calibration, drafter.sps_curve, MAX_BLOCK_SIZE)
+    correction = OnlineCorrection()
+    state = LookupDrafting(drafter.calibration, drafter.sps_curve, MAX_BLOCK_SIZE, correction)
     max_length = prompt_len + max_new
     length, previous, sources = prompt_len + 1, None, []
     for i, r in enumerate(stats.rounds):
@@ -660,8 +671,11 @@ def check_lookup_stats(drafter, out, prompt_len, max_new, gamma, mode):
                 assert r.scheduled == plan.length > k >= 1
             else:
                 ell, previous = mode_length(drafter, r.confidences, gamma_r, mode, previous)
-                assert r.scheduled == ell
+                assert r.scheduled == (max(ell, 1) if plan.probe else ell)  # a probe verifies a draft
             state.observe_block(torch.tensor(r.confidences))
+            if r.scheduled > k and r.accepted >= k:  # the correction hears from the round after its verification
+                calibrated = drafter.calibration.apply(torch.tensor(r.confidences)).tolist()
+                correction.observe(calibrated[k:r.scheduled], r.accepted - k)
         assert torch.equal(out[0, length:length + r.accepted], torch.tensor(r.draft_tokens[:r.accepted]))
         state.update(out[:, :length + r.accepted + 1], r.accepted)
         sources.append(plan.source)
@@ -810,3 +824,47 @@ def test_sampling_lookup_plans_are_made_before_drafting(target, drafters, lookup
                                   dspark_lookup=True)
             sources += check_lookup_stats(drafters[head], out, prompt.shape[1], LOOKUP_NEW, 7, mode)
     assert {"dspark", "lookup", "hybrid"} <= set(sources), sources
+
+
+# ------------------------------------------------------------------------------ the plain stretch
+# When no proposal is worth its cost, rounds verify the target's own token alone and skip the drafter; its context
+# is caught up (several rounds of features at once) only when a round drafts again: a probe or a DSpark plan.
+
+
+def test_greedy_identical_through_plain_stretches(target, prompts, references):
+    """An untrained drafter whose pass costs two target steps: long stretches of plain rounds, probes at growing
+    intervals, and the output is still plain greedy generate's, every round replayed from earlier rounds."""
+    config = DSparkConfig.for_target(target, target_layer_ids=[0], num_hidden_layers=1, sequential_rank=8, mask_token_id=0)
+    torch.manual_seed(9)
+    drafter = DSparkDrafter(config).eval()
+    drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * 16)
+    curve = tiny_sps_curve()
+    curve.draft_ms = 2 * CPU_MS[0]
+    drafter.set_sps_curve(curve)
+    max_new = 48
+    for mode in ("scheduler", "async"):
+        for prompt in prompts[:3]:
+            ref = target.generate(prompt, max_new_tokens=max_new, do_sample=False)
+            out = generate(target, prompt, drafter, mode, 4, max_new=max_new, dspark_lookup=True)
+            assert_greedy_identical(target, out, ref, f"plain stretch {mode}")
+            sources = check_lookup_stats(drafter, out, prompt.shape[1], max_new, 4, mode)
+            drafting = [i for i, r in enumerate(drafter.last_stats.rounds) if r.confidences]
+            assert sources.count("target") >= len(sources) // 2, sources  # mostly plain rounds
+            assert len(drafting) <= len(sources) // 5, sources  # the drafter runs in few rounds ...
+            gaps = [b - a for a, b in zip(drafting, drafting[1:])]
+            assert len(gaps) >= 2 and all(b > a for a, b in zip(gaps, gaps[1:])), drafting  # ... at growing intervals
+
+
+def test_sampling_is_exact_through_a_plain_stretch(sampling_setup, monkeypatch):
+    """Round 1 verifies the target's token alone (no drafter pass), round 2 drafts after catching the drafter's context
+    up by two positions at once: t2 and t3 keep the target's exact joint law."""
+    target, prompt, laws = sampling_setup
+    drafter = sampling_drafter(target)
+    monkeypatch.setattr(LookupDrafting, "plan", lambda self, ids, gamma, room: RoundPlan(
+        "target", (), 0) if ids.shape[1] <= prompt.shape[1] + 1 else RoundPlan("dspark"))
+    first = []
+    tables, _, _ = sample_tables(target, prompt, drafter, "scheduler", N_SAMPLES, first, dspark_lookup=True)
+    assert all(r.drafted == r.scheduled == 0 for r in first)  # the stretch
+    for name, counts, law in (("(t2, t3)", tables[1], laws[1]), ("t3", tables[1].sum(0), laws[1].sum(0))):
+        x2, df, p = chi_square(counts, law, N_SAMPLES)
+        assert p > P_MIN, f"{name} chi-square {x2:.1f} on {df} df, p = {p:.2g}"

@@ -7,7 +7,9 @@ import torch
 from conftest import CYCLE, cycle_drafter, cycle_target, tiny_sps_curve
 
 from dspark_hf import SequentialTemperatureScaling
+from dspark_hf.decoding.calibration import OnlineCorrection
 from dspark_hf.decoding.lookup import (
+    MAX_PROBE_INTERVAL,
     REFRESH_ROUNDS,
     LookupAcceptance,
     LookupDrafting,
@@ -61,9 +63,20 @@ def test_acceptance_counts_by_effective_match_length():
     assert (est.accepted, est.rejected) == ([0, 0, 1, 1, 0], [0, 0, 0, 0, 1])
     est.update(match, [10])  # only one token produced: position 2 unseen
     assert est.accepted == [0, 0, 2, 1, 0]
-    assert est.conditionals(match) == [3 / 4, 2 / 3, 1 / 3, 1 / 3]
-    est.update(LookupMatch((5,), 1), [6, 7])
-    assert est.rejected[1] == 1 and est.conditionals(LookupMatch((5, 6), 1)) == [1 / 3, 3 / 4]
+    # priors pooled apart (s·p, s = 2): first tokens 2 accepted of 2 -> 2·3/4; later ones 1 of 2 -> 2·2/4
+    assert est.conditionals(match) == pytest.approx([(2 + 1.5) / 4, (1 + 1) / 3, (0 + 1) / 3, (0 + 1) / 3])
+    est.update(LookupMatch((5,), 1), [6, 7])  # a first token rejected: first-token pool 2 of 3
+    assert est.rejected[1] == 1
+    assert est.conditionals(LookupMatch((5, 6), 1)) == pytest.approx([(0 + 2 * 3 / 5) / 3, (2 + 1) / 4])
+
+
+def test_a_prompt_whose_lookups_fail_stops_trusting_new_lengths():
+    """A length never seen starts from the generation's pooled first-token rate, not from 1/2."""
+    est = LookupAcceptance(max_ngram=8)
+    for n in range(1, 7):  # six first tokens rejected, each at another match length
+        est.update(LookupMatch((1, 2), n), [9])
+    fresh = est.conditionals(LookupMatch((1, 2), 7))[0]
+    assert fresh == pytest.approx(2 * (0 + 1) / (6 + 2) / 2)  # (0 + s·p) / (0 + s), p = 1/8
 
 
 # ---------------------------------------------------------------------------------- the choice
@@ -141,6 +154,51 @@ def test_a_stale_estimate_is_refreshed_by_drafting():
     assert sources == ["target"] * REFRESH_ROUNDS + ["dspark"]
     state.observe_block(torch.tensor([0.2] * 4))
     assert state.plan(ids, 4, room=4).source == "target"
+
+
+def test_a_proposal_must_beat_the_target_alone_by_the_margin():
+    """Flat rates: DSpark's best Θ is (1 + .2 + .04 + .008 + .0016) · 90 = 112.46 against 100 for the target alone."""
+    rates = [100.0, 90.0, 90.0, 90.0, 90.0]
+    assert max(expected_throughputs([0.2] * 4, rates)) == pytest.approx(1.2496 * 90)
+    assert plan_round([], [0.2] * 4, rates, 4, margin=0.0)[0] == "dspark"
+    assert plan_round([], [0.2] * 4, rates, 4, margin=0.12)[0] == "dspark"  # 112.46 > 112
+    assert plan_round([], [0.2] * 4, rates, 4, margin=0.13)[:3] == ("target", 0, 0)  # 112.46 < 113
+    assert plan_round([0.2] * 4, None, rates, 4, margin=0.5)[0] == "dspark"  # no estimate yet: draft to get one
+
+
+def test_probes_back_off_until_dspark_wins_again():
+    """A probe is a "target" round turned into a DSpark round (that verifies a draft); each probe doubles the interval
+    (up to MAX_PROBE_INTERVAL), and a round that plans DSpark on its own merits brings it back to REFRESH_ROUNDS."""
+    curve = tiny_sps_curve([65] + [130] * 8)
+    curve.draft_ms = 30.0
+    state = LookupDrafting(SequentialTemperatureScaling(temperatures=[1.0] * 4), curve, max_tokens=4)
+    ids = torch.tensor([[1, 2, 3]])  # no lookup match
+
+    def rounds_until_probe():
+        for n in range(1, 2 * MAX_PROBE_INTERVAL):
+            plan = state.plan(ids, 4, room=4)
+            if plan.probe:
+                assert plan.source == "dspark" and plan.length is None
+                state.observe_block(torch.tensor([0.2] * 4))
+                return n
+            assert plan.source == "target"
+        raise AssertionError("no probe")
+
+    state.observe_block(torch.tensor([0.2] * 4))
+    assert (REFRESH_ROUNDS, MAX_PROBE_INTERVAL) == (4, 64)
+    assert [rounds_until_probe() for _ in range(6)] == [5, 9, 17, 33, 65, 65]  # older than 4, 8, ..., 64 rounds
+    state.observe_block(torch.tensor([0.99] * 4))  # a block worth its pass
+    plan = state.plan(ids, 4, room=4)
+    assert plan.source == "dspark" and not plan.probe and state.probe_interval == REFRESH_ROUNDS
+
+
+def test_the_dspark_estimate_carries_the_online_correction():
+    correction = OnlineCorrection()
+    state = LookupDrafting(SequentialTemperatureScaling(temperatures=[1.0] * 4), tiny_sps_curve(), 4, correction)
+    state.observe_block(torch.tensor([0.5, 0.4, 0.3, 0.2]))
+    correction.observe([0.5, 0.4], 0)  # f = 2 / 2.5
+    assert state.dspark_estimate() == pytest.approx([0.4, 0.32, 0.24, 0.16])
+    assert state.block_estimate == pytest.approx([0.5, 0.4, 0.3, 0.2])  # kept uncorrected: f is read at plan time
 
 
 def test_plan_rejects_bad_estimates():

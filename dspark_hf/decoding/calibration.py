@@ -47,6 +47,7 @@ from ..modeling.modeling_dspark import CALIBRATION_FILE
 __all__ = [
     "CALIBRATION_FILE",
     "DEFAULT_GRID",
+    "OnlineCorrection",
     "SequentialTemperatureScaling",
     "brier_score",
     "conditional_mask",
@@ -236,6 +237,57 @@ class SequentialTemperatureScaling:
             raise ValueError(f"unsupported calibration format_version {payload.get('format_version')!r}; "
                              f"this dspark-hf reads version {FORMAT_VERSION}. Refit and save again.")
         return cls(temperatures=payload["temperatures"], fit_report=payload.get("report"))
+
+
+# ----------------------------------------------------------------------------- online correction
+
+ONLINE_PRIOR = 2.0  # pseudo-count (in expected accepted drafts) that keeps the correction at 1 until rounds speak
+
+
+class OnlineCorrection:
+    """A per-``generate`` correction of calibrated confidences, learnt from the rounds of the current generation.
+
+    STS (paper §3.2.1) is calibrated over a whole calibration set; on one prompt the drafter may be much worse
+    (or better) than on average. The correction is one factor ``f`` on the calibrated conditionals,
+    ``c''[k] = min(1, f · c'[k])``, fitted by matching means over every VERIFIED draft position the target reached
+    (drafts ``1..n+1`` of a round that accepted ``n`` of ``ℓ``): ``f = (accepted + m) / (Σ c'[k] + m)`` with the
+    prior pseudo-count ``m`` (:data:`ONLINE_PRIOR`), so ``f = 1`` before any round and a prompt whose drafts keep
+    failing falls to ``f ≈ 0.5`` after ~2 expected acceptances that did not come.
+
+    Lossless: :meth:`observe` is called after a round is verified with that round's outcome, and :meth:`apply` is
+    read before the next round drafts, so no decision depends on a draft of its own round (Appendix A).
+
+    Args:
+        prior: the pseudo-count ``m`` (> 0).
+    """
+
+    def __init__(self, prior: float = ONLINE_PRIOR):
+        if not prior > 0:
+            raise ValueError(f"prior must be > 0, got {prior}")
+        self.prior = prior
+        self.expected = 0.0  # Σ c'[k] over the verified positions reached
+        self.accepted = 0  # accepted drafts among them
+
+    @property
+    def factor(self) -> float:
+        """``f = (accepted + m) / (expected + m)``."""
+        return (self.accepted + self.prior) / (self.expected + self.prior)
+
+    def apply(self, calibrated: torch.Tensor) -> torch.Tensor:
+        """``min(1, f · c')`` of calibrated conditionals ``(..., γ)`` (same shape, dtype, device)."""
+        return (calibrated * self.factor).clamp(max=1.0)
+
+    def observe(self, calibrated: Sequence[float], accepted: int) -> None:
+        """Fold in one verified round: ``calibrated`` = the (uncorrected) calibrated conditionals of the ℓ verified
+        drafts, ``accepted`` = how many the target accepted (``0..ℓ``); positions ``1..min(accepted + 1, ℓ)`` count.
+
+        Raises:
+            ValueError: ``accepted`` outside ``0..len(calibrated)``.
+        """
+        if not 0 <= accepted <= len(calibrated):
+            raise ValueError(f"accepted must be in 0..{len(calibrated)} (the verified drafts), got {accepted}")
+        self.expected += float(sum(calibrated[: accepted + 1]))
+        self.accepted += accepted
 
 
 def _calibration_file(path: str | os.PathLike, create: bool) -> Path:

@@ -33,6 +33,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..modeling.configuration_dspark import MAX_BLOCK_SIZE, VERIFICATION_MODES
 from ..modeling.modeling_dspark import DSparkDrafter
+from .calibration import OnlineCorrection
 from .kernels import is_prepacked, prepack_linears
 from .lookup import LookupDrafting, lookup_enabled, one_hot_logits
 from .profiling import load_or_profile_sps
@@ -83,12 +84,17 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if (POLICIES[self.mode].needs_calibration or use_lookup) and stale:
             drafter.set_sps_curve(load_or_profile_sps(target, max_tokens=max(cfg.block_size, self.block_size) + 1))
         self.sps = drafter.sps_curve
-        self.lookup = LookupDrafting(drafter.calibration, self.sps, MAX_BLOCK_SIZE) if use_lookup else None
+        # the round planner learns how far this prompt's drafts beat or miss their calibrated confidences
+        self.correction = OnlineCorrection() if use_lookup else None
+        self.lookup = (LookupDrafting(drafter.calibration, self.sps, MAX_BLOCK_SIZE, self.correction)
+                       if use_lookup else None)
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
         self.max_length = generation_config.max_length
         self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in cfg.target_layer_ids]}
         self.context = drafter.new_context()
+        self._pending: list[torch.Tensor] = []  # target features not yet in the context (added before a draft)
+        self._known = 0  # positions in the context or pending
         self.stats = GenerationStats(verification=self.mode)
         drafter.last_stats = self.stats
         if (mirror := drafter.__dict__.get("_stats_mirror")) is not None:  # the trust_remote_code copy it stands for
@@ -128,7 +134,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if is_first_iteration:
             return input_ids, None
         self._learn_round_costs()
-        self._extend_context(input_ids, model_outputs)
+        self._collect_features(input_ids, model_outputs)
         gamma = min(self.block_size, self.max_length - input_ids.shape[1] - 1)
         self._verify_context = input_ids.shape[1] - 1  # the scheduler reads the SPS row of this context
         if gamma <= 0:  # one token left: the target verifies the anchor alone, a round without drafts
@@ -144,6 +150,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         else:
             forced = torch.tensor(plan.lookup_tokens) if plan is not None and plan.source == "hybrid" else None
             pass_start = time.perf_counter()
+            self._catch_up_context()
             block = self.drafter.draft(
                 self.context, int(input_ids[0, -1]), gamma, self.do_sample, self.logits_processor, input_ids,
                 forced_tokens=forced,
@@ -153,6 +160,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 self.lookup.observe_block(block.confidences)
             drafts, confidences, draft_logits = block.tokens, block.confidences, block.logits
             scheduled = plan.length if forced is not None else self._prefix_length(block, gamma)
+            if plan is not None and plan.probe:  # a probe verifies a draft, so the correction hears from the drafter
+                scheduled = max(scheduled, 1)
         length = scheduled  # never looks at a draft's own value (Appendix A); stop strings act after verification
         self._start_verification(
             RoundStats(
@@ -171,11 +180,14 @@ class DSparkCandidateGenerator(CandidateGenerator):
         return candidates, logits
 
     def _learn_round_costs(self):
-        """At the start of a round: the previous round's wall-clock time minus its verification and drafter pass
-        is its overhead; both refine the curve's round costs (:meth:`~dspark_hf.SPSCurve.observe_round`) when the
-        curve learns online, so Θ weighs a drafter pass against rounds that skip it."""
+        """At the start of a round: the previous round's wall-clock time (recorded as its ``round_ms``) minus its
+        verification and drafter pass (the context catch-up included) is its overhead; both refine the curve's
+        round costs (:meth:`~dspark_hf.SPSCurve.observe_round`) when the curve learns online, so Θ weighs a
+        drafter pass against rounds that skip it."""
         now = time.perf_counter()
         last = self.stats.rounds[-1] if self.stats.rounds else None
+        if last is not None and self._round_start is not None:
+            last.round_ms = 1e3 * (now - self._round_start)
         if self.policy.needs_calibration and self.sps.online and self._round_start is not None and last is not None:
             draft = self._pass_seconds or 0.0
             overhead = max(now - self._round_start - last.verify_ms / 1e3 - draft, 0.0)
@@ -187,19 +199,38 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.stats.rounds.append(round_stats)
         self._verify_start = time.perf_counter()
 
-    def _extend_context(self, input_ids, model_outputs):
-        """Append the hidden states of positions ``context.length .. L-2`` (all accepted) to the cache."""
-        n_new = input_ids.shape[1] - 1 - self.context.length
+    def _collect_features(self, input_ids, model_outputs):
+        """Keep the target features ``[1, n_new, m·d]`` of the newly accepted positions (up to ``L-2``) for the
+        drafter's context; they are encoded into it only when a round drafts (:meth:`_catch_up_context`), so rounds
+        that do not run the drafter (lookup, the target alone) skip the context projection."""
+        n_new = input_ids.shape[1] - 1 - self._known
         if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
             raise RuntimeError("DSpark needs the target's hidden states; the target did not return them.")
         states = model_outputs.hidden_states
-        features = torch.cat([states[i + 1][:, :n_new] for i in self.drafter.config.target_layer_ids], dim=-1)
-        self.drafter.extend_context(self.context, features.to(self.drafter.context_proj.weight.device))
+        self._pending.append(torch.cat([states[i + 1][:, :n_new] for i in self.drafter.config.target_layer_ids], -1))
+        self._known += n_new
+
+    def _catch_up_context(self):
+        """Append every pending feature to the drafter's context cache, in one pass (paper Fig. 1: the context
+        holds positions ``0 .. L-2``, all accepted)."""
+        if self._pending:
+            features = self._pending[0] if len(self._pending) == 1 else torch.cat(self._pending, dim=1)
+            self.drafter.extend_context(self.context, features.to(self.drafter.context_proj.weight.device))
+            self._pending = []
 
     def _prefix_length(self, block, gamma: int) -> int:
         """ℓ in 0..γ by the call's verification policy (:mod:`dspark_hf.decoding.verification`)."""
         sps = self.sps.round_rates(self._verify_context, drafts=True)[: gamma + 1] if self.policy.needs_calibration else None
         return self.policy.prefix_length(block.confidences, self.drafter.calibration, sps, gamma, self.threshold)
+
+    def _observe_verified_drafts(self, last: RoundStats):
+        """Fold the verified DSpark drafts of the round just verified into the online correction: block positions
+        ``k+1..ℓ`` after ``k`` forced lookup tokens, heard from only when those ``k`` were all accepted."""
+        k = last.lookup
+        if self.correction is None or not last.confidences or last.scheduled <= k or last.accepted < k:
+            return
+        calibrated = self.drafter.calibration.apply(torch.tensor(last.confidences)).tolist()
+        self.correction.observe(calibrated[k:last.scheduled], last.accepted - k)
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         """Record the number of accepted drafts and the verify time of the round just verified; in the
@@ -211,5 +242,6 @@ class DSparkCandidateGenerator(CandidateGenerator):
             last.accepted = int(num_matches)
             last.verify_ms = 1e3 * (time.perf_counter() - self._verify_start)
             self._verify_start = None
+            self._observe_verified_drafts(last)
             if self.policy.needs_calibration and self.sps.online:  # B = ℓ + 1 tokens verified at this context
                 self.sps.observe(last.scheduled + 1, self._verify_context, last.verify_ms / 1e3)

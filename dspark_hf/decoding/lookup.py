@@ -14,21 +14,28 @@ bookkeeping every round, the drafter's pass only in rounds that draft):
   the lookup tokens as their previous tokens; the parallel backbone never sees draft tokens, so nothing
   else changes), ℓ = k + the planned DSpark part;
 * ``"target"``: nothing drafted, the target verifies the anchor alone (a plain decoding step), when no draft is
-  expected to repay its cost. The DSpark estimate it is judged by is refreshed: after ``REFRESH_ROUNDS`` rounds
-  without a drafted block, a round that would be ``"target"`` drafts a DSpark block instead.
+  expected to repay its cost. Such rounds skip the drafter entirely (its context is caught up only when a round
+  drafts again), so a stretch of them runs at the cost of plain decoding. The DSpark estimate they are judged by
+  is refreshed by a probe: after ``probe_interval`` rounds without a drafted block (:data:`REFRESH_ROUNDS` at first),
+  a round that would be ``"target"`` drafts a DSpark block and verifies at least its first draft (so the online
+  correction hears from the drafter). Each probe doubles the interval (up to :data:`MAX_PROBE_INTERVAL`); a round
+  that plans DSpark or a hybrid on its own merits resets it, so a prompt the drafter cannot follow loses at most
+  one drafter pass and one verified token per interval.
 
 Survival estimates (``a_j = Π_{i<=j} c_i``):
 
-* a lookup draft: ``c_i`` = the posterior mean of an online Beta(1, 1) count of lookup acceptance keyed by
-  the effective match length ``n + i - 1`` (after ``i - 1`` accepted continuation tokens the match is that
-  long). Every round scores the continuation it looked up against the tokens the round produced, whatever
+* a lookup draft: ``c_i`` = the posterior mean of an online count of lookup acceptance keyed by the effective
+  match length ``n + i - 1`` (after ``i - 1`` accepted continuation tokens the match is that long), whose prior
+  is the acceptance pooled over every length so far in the generation (itself Beta(1, 1); first tokens and later
+  ones pooled apart): a length never seen yet starts from what this prompt's lookups have been worth, not from 1/2. Every round scores the continuation it looked up against the tokens the round produced, whatever
   was proposed: ``P(t_i = l_i) = p(l_i)`` is exactly the acceptance probability of a one-hot proposal (greedy:
   ``t_i = l_i`` is acceptance), so the estimate is the empirical acceptance frequency, calibrated by
   construction (what STS does for the drafter's c_k, paper §3.2.1), and it keeps learning in rounds that
   proposed DSpark;
 * a DSpark draft at block position j: the calibrated confidence ``c'_j`` of the LAST DRAFTED block (as the
-  ``"async"`` mode uses the previous block, paper §5.2). Until a first block is drafted, the round proposes
-  DSpark.
+  ``"async"`` mode uses the previous block, paper §5.2), times the generation's online correction
+  (:class:`~dspark_hf.decoding.calibration.OnlineCorrection`: what this prompt's verified drafts were worth
+  against their calibrated confidences). Until a first block is drafted, the round proposes DSpark.
 
 Lossless: the plan is a function of the accepted text and of earlier rounds only; no draft of the round can
 change which proposal is made or how many tokens a lookup or hybrid round verifies (Appendix A: admitting a
@@ -47,13 +54,17 @@ import torch
 import torch.nn.functional as F
 
 from ..modeling.configuration_dspark import SCHEDULED_MODES
+from .calibration import OnlineCorrection
 from .scheduler import expected_throughputs
 
 __all__ = ["LookupAcceptance", "LookupDrafting", "LookupMatch", "RoundPlan", "find_continuation",
            "lookup_enabled", "one_hot_logits", "plan_round"]
 
 MAX_NGRAM = 8  # longest suffix compared, and the last match-length bucket of the acceptance estimate
-REFRESH_ROUNDS = 4  # a "target" round drafts anyway once the last drafted block is this many rounds old
+REFRESH_ROUNDS = 4  # a "target" round probes (drafts) once the last drafted block is this many rounds old
+MAX_PROBE_INTERVAL = 64  # failed probes double the interval up to this many rounds (a loss of ≲ 1 % on a CPU)
+MARGIN = 0.05  # a proposal must beat the target alone by this share of Θ: the estimates behind Θ are noisy, and a
+# plan that only breaks even when they are right loses when they are a little optimistic
 SOURCES = ("dspark", "lookup", "hybrid", "target")
 
 
@@ -109,8 +120,12 @@ def find_continuation(ids: torch.Tensor | Sequence[int], max_tokens: int, max_ng
 class LookupAcceptance:
     """Online estimate of ``P(lookup draft i accepted | drafts < i accepted)`` per effective match length.
 
-    A Beta(``prior``) posterior mean per bucket ``min(n + i - 1, max_ngram)`` (``n`` = match length, ``i`` =
-    continuation position, 1-based): ``(accepted + α) / (accepted + rejected + α + β)``.
+    A posterior mean per bucket ``min(n + i - 1, max_ngram)`` (``n`` = match length, ``i`` = continuation
+    position, 1-based) whose prior is a pooled rate: ``(accepted_b + s·p) / (accepted_b + rejected_b + s)``,
+    ``p = (A + α) / (A + R + α + β)``, ``s = α + β``, with ``A``, ``R`` the accepted / rejected counts over all buckets
+    of the same kind of position (first continuation tokens, ``i = 1``, apart from later ones: one long accepted
+    run must not vouch for the next first token). With no data it is ``α / (α + β)``; a bucket never seen
+    follows what the generation's other lengths were worth.
     """
 
     def __init__(self, max_ngram: int = MAX_NGRAM, prior: tuple[float, float] = (1.0, 1.0)):
@@ -118,6 +133,7 @@ class LookupAcceptance:
         self.prior = prior
         self.accepted = [0] * (max_ngram + 1)  # index = bucket (0 unused)
         self.rejected = [0] * (max_ngram + 1)
+        self.pooled = {True: [0, 0], False: [0, 0]}  # first token or not -> [accepted, rejected]
 
     def bucket(self, match_length: int, position: int) -> int:
         return min(match_length + position - 1, self.max_ngram)
@@ -125,21 +141,25 @@ class LookupAcceptance:
     def conditionals(self, match: LookupMatch) -> list[float]:
         """Estimated conditional acceptance ``c_i`` of each continuation token, ``len(match.tokens)`` values."""
         alpha, beta = self.prior
+        strength = alpha + beta
+        prior = {first: strength * (a + alpha) / (a + r + strength) for first, (a, r) in self.pooled.items()}  # s · p
         out = []
         for i in range(1, len(match.tokens) + 1):
             b = self.bucket(match.match_length, i)
-            out.append((self.accepted[b] + alpha) / (self.accepted[b] + self.rejected[b] + alpha + beta))
+            out.append((self.accepted[b] + prior[i == 1]) / (self.accepted[b] + self.rejected[b] + strength))
         return out
 
     def update(self, match: LookupMatch, produced: Sequence[int]) -> None:
         """Score ``match``'s continuation against the tokens a round produced (its accepted drafts + the target's
         token): token ``i`` counts while the previous ones agreed and ``produced`` reaches position ``i``."""
         for i, (proposed, actual) in enumerate(zip(match.tokens, produced), start=1):
-            b = self.bucket(match.match_length, i)
+            b, pool = self.bucket(match.match_length, i), self.pooled[i == 1]
             if proposed != actual:
                 self.rejected[b] += 1
+                pool[1] += 1
                 return
             self.accepted[b] += 1
+            pool[0] += 1
 
 
 @dataclass(frozen=True)
@@ -152,12 +172,14 @@ class RoundPlan:
         length: planned ℓ for ``"lookup"`` / ``"hybrid"`` / ``"target"`` (0); ``None`` for ``"dspark"`` (the mode
             decides).
         theta: the planned Θ (expected tokens per second of the chosen proposal).
+        probe: a ``"dspark"`` round drafted only to refresh a stale estimate; it verifies at least one draft.
     """
 
     source: str
     lookup_tokens: tuple[int, ...] = ()
     length: int | None = None
     theta: float = 0.0
+    probe: bool = False
 
 
 def _best(conditionals: Sequence[float], sps: Sequence[float], shortest: int) -> tuple[int, float]:
@@ -168,7 +190,7 @@ def _best(conditionals: Sequence[float], sps: Sequence[float], shortest: int) ->
 
 
 def plan_round(lookup: Sequence[float], dspark: Sequence[float] | None, sps: Sequence[float], gamma: int,
-               dspark_rates: Sequence[float] | None = None) -> tuple[str, int, int | None, float]:
+               dspark_rates: Sequence[float] | None = None, margin: float = 0.0) -> tuple[str, int, int | None, float]:
     """The proposal with the highest expected throughput (a pure function of estimates made before drafting).
 
     Args:
@@ -180,12 +202,14 @@ def plan_round(lookup: Sequence[float], dspark: Sequence[float] | None, sps: Seq
             verifying ``B`` tokens (:meth:`~dspark_hf.SPSCurve.round_rates`; the bare ``SPS(B)`` in the paper).
         gamma: the round's block size γ (a hybrid round verifies at most γ tokens).
         dspark_rates: the same for a round that runs the drafter (DSpark, hybrid); default ``sps`` (drafting free).
+        margin: a drafting proposal is made only when its Θ exceeds the target alone's ``sps[0]`` by more than this
+            share (``0``: any gain; :class:`LookupDrafting` plans with :data:`MARGIN`).
 
     Returns:
         ``(source, k, ℓ, Θ)``: ``k`` leading lookup tokens and the planned ℓ (``None`` for ``"dspark"``).
-        ``"lookup"`` wins over DSpark on ties (it costs no drafter pass); ``"target"`` (ℓ = 0, nothing drafted) and
-        ``"hybrid"`` need a strictly higher Θ than what came before, so with free drafting ``"target"`` never wins
-        (DSpark's ℓ = 0 is the same round) and DSpark is kept when nothing beats verifying no draft.
+        ``"lookup"`` wins over DSpark on ties (it costs no drafter pass), ``"hybrid"`` needs a strictly higher Θ than
+        what came before, and ``"target"`` (ℓ = 0, nothing drafted) is planned when the best proposal's Θ is below
+        ``(1 + margin) · sps[0]``; with free drafting and no margin it never is (DSpark's ℓ = 0 is the same round).
 
     Raises:
         ValueError: estimates outside ``[0, 1]`` or an invalid ``sps`` (see :func:`expected_throughputs`).
@@ -197,8 +221,6 @@ def plan_round(lookup: Sequence[float], dspark: Sequence[float] | None, sps: Seq
     dspark = list(dspark)[:gamma]
     _, best = _best(dspark, drafted, 0)
     plan = ("dspark", 0, None, best)
-    if sps[0] > best:
-        plan, best = ("target", 0, 0, sps[0]), sps[0]
     if lookup:
         length, theta = _best(lookup, sps, 1)
         if theta >= best:
@@ -207,6 +229,8 @@ def plan_round(lookup: Sequence[float], dspark: Sequence[float] | None, sps: Seq
         length, theta = _best([*lookup[:k], *dspark[k:]], drafted, k + 1)
         if theta > best:
             plan, best = ("hybrid", k, length, theta), theta
+    if best < (1.0 + margin) * sps[0]:
+        plan = ("target", 0, 0, sps[0])
     return plan
 
 
@@ -257,15 +281,19 @@ class LookupDrafting:
         curve: the target's :class:`~dspark_hf.SPSCurve` (read each round at the round's context, with its learnt
             round costs: :meth:`~dspark_hf.SPSCurve.round_rates`).
         max_tokens: most lookup tokens per round (also capped by ``curve.max_tokens - 1`` and the token budget).
+        correction: the call's :class:`~dspark_hf.decoding.calibration.OnlineCorrection` of DSpark's calibrated
+            confidences (``None``: none; the caller folds verified rounds into it).
     """
 
-    def __init__(self, calibration, curve, max_tokens: int):
+    def __init__(self, calibration, curve, max_tokens: int, correction: OnlineCorrection | None = None):
         self.calibration = calibration
         self.curve = curve
         self.max_tokens = min(max_tokens, curve.max_tokens - 1)
+        self.correction = correction
         self.acceptance = LookupAcceptance()
-        self.block_estimate: list[float] | None = None  # calibrated c' of the last drafted block
+        self.block_estimate: list[float] | None = None  # calibrated c' of the last drafted block (uncorrected)
         self.block_age = 0  # rounds planned since that block was drafted
+        self.probe_interval = REFRESH_ROUNDS  # rounds without a drafted block before a "target" round probes
         self._match: LookupMatch | None = None
 
     def plan(self, input_ids: torch.Tensor, gamma: int, room: int) -> RoundPlan:
@@ -274,13 +302,24 @@ class LookupDrafting:
         self._match = find_continuation(input_ids[0], min(self.max_tokens, room))
         lookup = self.acceptance.conditionals(self._match) if self._match is not None else []
         context = input_ids.shape[1] - 1  # tokens in the target's cache before this round's verification
-        source, k, length, theta = plan_round(lookup, self.block_estimate, self.curve.round_rates(context, False),
-                                              gamma, self.curve.round_rates(context, True))
+        source, k, length, theta = plan_round(lookup, self.dspark_estimate(), self.curve.round_rates(context, False),
+                                              gamma, self.curve.round_rates(context, True), MARGIN)
         self.block_age += 1
-        if source == "target" and self.block_age > REFRESH_ROUNDS:  # the estimate is stale: draft to refresh it
+        probe = source == "target" and self.block_age > self.probe_interval
+        if probe:  # the estimate is stale: draft to refresh it, and wait twice as long for the next probe
             source, length = "dspark", None
+            self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+        elif source in ("dspark", "hybrid"):  # the drafter is worth its pass again
+            self.probe_interval = REFRESH_ROUNDS
         tokens = self._match.tokens[:k] if k else ()
-        return RoundPlan(source, tokens, length, theta)
+        return RoundPlan(source, tokens, length, theta, probe)
+
+    def dspark_estimate(self) -> list[float] | None:
+        """The DSpark conditionals the next plan reads: the last block's calibrated ``c'`` with the current online
+        correction applied (``None`` before the first block)."""
+        if self.block_estimate is None or self.correction is None:
+            return self.block_estimate
+        return self.correction.apply(torch.tensor(self.block_estimate, dtype=torch.float64)).tolist()
 
     def observe_block(self, confidences: torch.Tensor) -> None:
         """Keep the calibrated confidences ``(γ,)`` of the block just drafted as the next rounds' DSpark estimate."""

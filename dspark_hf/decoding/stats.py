@@ -12,7 +12,8 @@ from ..metrics import tau
 
 @dataclass
 class RoundStats:
-    """One target verification: drafted γ, scheduled ℓ, accepted n (drafts, bonus excluded), timings in ms.
+    """One target verification: drafted γ, scheduled ℓ, accepted n (drafts, bonus excluded), timings in ms
+    (``round_ms``: the round's whole wall clock, from its planning to the next round's; 0 for the last round).
 
     The round emitted ``accepted + 1`` tokens (``accepted`` counts the drafts that were emitted: drafts
     the target accepted but that an EOS, the token budget or a stop string cut off are not counted).
@@ -31,6 +32,7 @@ class RoundStats:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     lookup: int = 0
+    round_ms: float = 0.0
 
     def is_full(self, gamma: int) -> bool:
         """The round drafted and verified all ``gamma`` drafts of the drafter itself (no lookup tokens): the

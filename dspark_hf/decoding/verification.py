@@ -86,8 +86,8 @@ class Scheduler(VerificationPolicy):
 class Async(VerificationPolicy):
     """The global search (:func:`~dspark_hf.decoding.scheduler.schedule_global`) on ``[c_1, c'_2, ..., c'_γ]``:
     ``c_1`` of this block depends only on the anchor and the context, ``c'_k`` are the PREVIOUS block's, so no
-    draft's admission depends on a draft of its own block (paper §5.2, Appendix A). The first round verifies the
-    whole block."""
+    draft's admission depends on a draft of its own block (paper §5.2, Appendix A). The first block, with no previous
+    one, is scheduled as in ``"scheduler"`` (Algorithm 1 with its early stop)."""
 
     name, needs_calibration = "async", True
 
@@ -97,8 +97,8 @@ class Async(VerificationPolicy):
     def prefix_length(self, confidences, calibration, sps, gamma, threshold):
         calibrated = calibration.apply(confidences.float())
         previous, self.previous = self.previous, calibrated
-        if previous is None:
-            return gamma
+        if previous is None:  # the first block: Algorithm 1's non-anticipating early stop (as "scheduler")
+            return schedule_prefix(calibrated, sps)
         return schedule_global(torch.cat([calibrated[:1], previous[1:gamma]]), sps)
 
 
