@@ -67,12 +67,46 @@ def test_bad_arguments_are_refused_by_the_parser(no_loading, capsys, argv, messa
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["generate", "hi", "--drafter", "/nonexistent"], "--drafter /nonexistent: no such folder, and not a Hub id"),
-    (["generate", "hi", "--target", "./no/such/dir"], "--target ./no/such/dir: no such folder, and not a Hub id"),
+    (["generate", "hi", "--drafter", "/nonexistent"], "--drafter /nonexistent: No drafter folder at '/nonexistent'"),
+    (["generate", "hi", "--target", "./no/such/dir"], "--target ./no/such/dir: No target folder at './no/such/dir'"),
+    (["generate", "hi", "--target", "bad id!"], "--target bad id!: no such folder, and not a Hub id"),
 ])
 def test_missing_folders_are_named(no_loading, argv, message):
     with pytest.raises(SystemExit, match=message):
         cli.main(argv)
+
+
+def test_relative_path_with_an_existing_parent_is_named(no_loading, tmp_path, monkeypatch):
+    """`model_cards/typo` is also a valid Hub id; its parent existing here makes it a path: a message, no traceback."""
+    (tmp_path / "model_cards").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="--drafter model_cards/typo: No drafter folder at 'model_cards/typo'"):
+        cli.main(["generate", "hi", "--drafter", "model_cards/typo"])
+
+
+def offline(*args, **kwargs):
+    raise OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them in the "
+                  "cached files.")
+
+
+def test_hub_id_offline_names_the_option(monkeypatch):
+    """A Hub id that is not a folder here, with no network: one line naming the option and what to pass instead."""
+    monkeypatch.setattr("dspark_hf.decoding.targets.load_target", offline)
+    with pytest.raises(SystemExit, match=r"--target someorg/sometarget: not a folder here, so it was read as a Hub "
+                                         r"id, and the Hub cannot be reached \(offline\?\). Pass the path of a local "
+                                         r"model folder, or leave out --target"):
+        cli.main(["generate", "hi", "--target", "someorg/sometarget"])
+    monkeypatch.setattr(common, "load_cli_target", lambda args: (None, None))
+    monkeypatch.setattr("dspark_hf.modeling.modeling_dspark.DSparkDrafter.from_pretrained", offline)
+    with pytest.raises(SystemExit, match="--drafter someorg/somedrafter: not a folder here.*leave out --drafter for "
+                                         "the shipped drafter"):
+        cli.main(["generate", "hi", "--drafter", "someorg/somedrafter"])
+
+
+def test_folder_that_is_not_a_drafter_is_named(monkeypatch, tmp_path):
+    monkeypatch.setattr(common, "load_cli_target", lambda args: (None, None))
+    with pytest.raises(SystemExit, match=f"--drafter {tmp_path}: this folder holds no drafter"):
+        cli.main(["generate", "hi", "--drafter", str(tmp_path)])
 
 
 def test_gamma_help_states_the_limits(capsys):
@@ -88,16 +122,25 @@ def fake_target(positions: int):
 
 def test_prompt_longer_than_the_target_is_refused(monkeypatch):
     monkeypatch.setattr(generate, "load_models", lambda args: (fake_target(8192), None, None))
+    monkeypatch.setattr(generate, "check_settings", lambda *args: None)  # no drafter here
     monkeypatch.setattr("dspark_hf.decoding.targets.chat_ids", lambda tokenizer, prompt: list(range(8190)))
     monkeypatch.setattr("dspark_hf.evaluation.runs.timed_generate", lambda *a, **k: pytest.fail("generate ran"))
-    with pytest.raises(SystemExit, match="8190 tokens.*128 more.*8192 positions.*at most 8064 tokens"):
+    with pytest.raises(SystemExit, match="--max-new-tokens 128 with this 8190-token prompt needs 8318 positions, "
+                                         "but the target handles 8192: pass --max-new-tokens 2 or less"):
         cli.main(["generate", "x" * 10, "--json"])
     common.check_prompt_fits(8064, 128, fake_target(8192))  # exactly fits: no exit
+    with pytest.raises(SystemExit, match="--max-new-tokens 9000 with this 31-token prompt needs 9031 positions, but "
+                                         "the target handles 8192: pass --max-new-tokens 8161 or less"):
+        common.check_prompt_fits(31, 9000, fake_target(8192))  # never "shorten the prompt to -808 tokens"
+    with pytest.raises(SystemExit, match="The prompt has 8192 tokens.*shorten the prompt to fewer than 8192 tokens"):
+        common.check_prompt_fits(8192, 1, fake_target(8192))
 
 
 def test_gamma_beyond_the_calibration_is_a_clean_error():
     """The shipped drafter (async mode, calibration fitted at γ = 7) with --gamma 8: a message, no traceback."""
     if not default_drafter().is_dir():
         pytest.skip("the shipped drafter is not in this checkout")
-    with pytest.raises(SystemExit, match="calibration covers 7 positions but dspark_block_size is 8"):
+    with pytest.raises(SystemExit, match=r"--gamma 8 is beyond this drafter's calibration \(γ <= 7\).*pass --gamma 7 or "
+                                         r"less, or --verify fixed") as exit_:
         cli.main(["generate", "hi", "--gamma", "8", "--max-new-tokens", "2", "--json"])
+    assert "dspark_" not in str(exit_.value.code)

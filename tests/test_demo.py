@@ -229,6 +229,20 @@ def test_unavailable_scheduler_is_explained(tiny):
     assert "calibration" in check_mode(tiny.drafter, "async")
 
 
+def test_gamma_beyond_the_calibration_names_the_controls(tiny):
+    """γ = 8 with a calibration fitted at γ = 5: the message names the γ slider and the verification choice, and the
+    Python argument names (dspark_block_size, dspark_lookup) do not appear."""
+    from dspark_hf.demo.app import check_mode
+
+    drafter = cycle_drafter(tiny.target, "markov", block_size=5).bind(tiny.target)
+    drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * 5)
+    message = check_mode(drafter, "scheduler", 8)
+    assert "γ slider to 5 or less" in message and "'fixed'" in message and "dspark_" not in message
+    assert check_mode(drafter, "scheduler", 5) is None and check_mode(drafter, "fixed", 8) is None
+    lookup = check_lookup(drafter, True, 8)
+    assert "γ slider to 5 or less" in lookup and "untick 'prompt lookup'" in lookup and "dspark_" not in lookup
+
+
 def test_cli_registers_demo(monkeypatch):
     from dspark_hf.cli import demo
     from dspark_hf.cli import main as cli

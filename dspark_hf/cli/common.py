@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
-from ..defaults import default_drafter
+from ..defaults import check_local_path, default_drafter
 from ..modeling.configuration_dspark import MAX_BLOCK_SIZE
 
 DEFAULT_THREADS = 1  # see the README's "Threads and load": 2 threads collapse on a shared 2-core CPU
@@ -47,25 +48,54 @@ def _prompt(text: str) -> str:
     return text
 
 
-def check_location(value, option: str) -> None:
-    """Exit with a clear message when ``value`` is neither an existing folder nor a valid Hub id."""
+def check_location(value, option: str, what: str) -> None:
+    """Exit with a message naming ``option`` when ``value`` is a local-looking path that does not exist
+    (:func:`~dspark_hf.defaults.check_local_path`, relative paths included) or neither a folder nor a Hub id."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     if value is None or Path(value).expanduser().exists():
         return
+    try:
+        check_local_path(value, what)
+    except FileNotFoundError as err:
+        sys.exit(f"{option} {value}: {err}")
     try:
         validate_repo_id(str(value))
     except HFValidationError:
         sys.exit(f"{option} {value}: no such folder, and not a Hub id (ORG/NAME). Pass an existing folder or a Hub id.")
 
 
+@contextmanager
+def loading(option: str, value, what: str, default: str):
+    """Turn a failed ``from_pretrained`` of ``option value`` into a one-line exit in the command's terms: a folder
+    that holds no ``what``, or a Hub id that could not be fetched (offline, or no such repo). ``default`` says
+    what leaving the option out loads."""
+    try:
+        yield
+    except OSError as err:
+        if value is None:
+            raise  # the default itself failed to load: not the user's input
+        if Path(value).expanduser().is_dir():
+            reason = (f"this folder holds no {what} (a {what} folder has config.json and model.safetensors, as "
+                      f"save_pretrained writes them): {str(err).splitlines()[0]}")
+        else:
+            offline = "connect" in str(err) or "offline" in str(err).lower()
+            reason = ("not a folder here, so it was read as a Hub id, and "
+                      + ("the Hub cannot be reached (offline?)" if offline else str(err).splitlines()[0]) +
+                      f". Pass the path of a local {what} folder, or leave out {option} for {default}")
+        sys.exit(f"{option} {value}: {reason}.")
+
+
 def check_prompt_fits(prompt_length: int, max_new_tokens: int, target) -> None:
     """Exit when the prompt plus ``max_new_tokens`` exceed the target's positions (refused, not truncated)."""
     limit = getattr(target.config.get_text_config(), "max_position_embeddings", None)
-    if limit is not None and prompt_length + max_new_tokens > limit:
-        sys.exit(f"The prompt has {prompt_length} tokens and --max-new-tokens asks for {max_new_tokens} more, but the "
-                 f"target handles {limit} positions: shorten the prompt to at most {limit - max_new_tokens} tokens "
-                 "or lower --max-new-tokens.")
+    if limit is None or prompt_length + max_new_tokens <= limit:
+        return
+    if prompt_length >= limit:
+        sys.exit(f"The prompt has {prompt_length} tokens, and the target handles {limit} positions in all: shorten "
+                 f"the prompt to fewer than {limit} tokens.")
+    sys.exit(f"--max-new-tokens {max_new_tokens} with this {prompt_length}-token prompt needs {prompt_length + max_new_tokens} "
+             f"positions, but the target handles {limit}: pass --max-new-tokens {limit - prompt_length} or less.")
 
 
 def load_cli_target(args):
@@ -73,10 +103,11 @@ def load_cli_target(args):
     (:func:`~dspark_hf.decoding.targets.use_cpu_kernels`) unless ``--stock-kernels``."""
     from ..decoding.targets import load_target
 
-    check_location(args.target, "--target")
+    check_location(args.target, "--target", "target")
     device = getattr(args, "device", "cpu")
     stock = getattr(args, "stock_kernels", False) or device != "cpu"  # CPU kernels (linears, attention, cache)
-    target, tokenizer = load_target(args.target, stock_kernels=stock)
+    with loading("--target", args.target, "model", "the bundled SmolLM2-135M-Instruct"):
+        target, tokenizer = load_target(args.target, stock_kernels=stock)
     return target.to(device), tokenizer
 
 
@@ -86,12 +117,15 @@ def load_models(args, need_drafter: bool = True):
     from ..modeling.modeling_dspark import DSparkDrafter
 
     if need_drafter:
-        check_location(args.drafter, "--drafter")
+        check_location(args.drafter, "--drafter", "drafter")
         path = args.drafter or default_drafter()
         if args.drafter is None and not Path(path).is_dir():
             sys.exit(f"No drafter at {path}; pass --drafter PATH_OR_HUB_ID.")
     target, tokenizer = load_cli_target(args)
-    drafter = DSparkDrafter.from_pretrained(path).bind(target).eval() if need_drafter else None
+    drafter = None
+    if need_drafter:
+        with loading("--drafter", args.drafter, "drafter", "the shipped drafter"):
+            drafter = DSparkDrafter.from_pretrained(path).bind(target).eval()
     return target, tokenizer, drafter
 
 

@@ -17,6 +17,7 @@ def run(args):
     from ..evaluation.runs import timed_generate
 
     target, tokenizer, drafter = load_models(args)
+    check_settings(drafter, args.verify, args.gamma, args.lookup)
     prompt_ids = chat_ids(tokenizer, args.prompt)
     check_prompt_fits(len(prompt_ids), args.max_new_tokens, target)
     settings = {"dspark_verification": args.verify, "dspark_block_size": args.gamma, "dspark_lookup": args.lookup}
@@ -55,6 +56,30 @@ def run(args):
         return
     summary = {k: v for k, v in result.items() if k != "text"}
     print("\n---\n" + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+
+
+def check_settings(drafter, verify: str | None, gamma: int | None, lookup: bool | None) -> None:
+    """Exit, in terms of ``--verify`` / ``--gamma`` / ``--lookup``, when the drafter cannot run them (a mode without
+    its confidence head or calibration, a γ beyond the calibration, lookup without calibrated confidences)."""
+    from ..decoding.verification import unmet_need
+
+    mode, gamma = verify or drafter.config.verification, gamma or drafter.config.block_size
+    covered = len(drafter.calibration.temperatures) if drafter.calibration is not None else 0
+    chosen = f"--verify {mode}" if verify else f"the drafter's default --verify {mode}"
+    need = unmet_need(drafter, mode, gamma)
+    if need == "confidence":
+        sys.exit(f"dspark generate: {chosen} needs a confidence head, and this drafter has none: pass --verify fixed.")
+    if need == "calibration":
+        sys.exit(f"dspark generate: {chosen} needs a calibrated drafter (calibration.json), and this one has none: "
+                 "pass --verify fixed or --verify threshold, or fit one with `dspark calibrate`.")
+    if need == "calibration_length":
+        sys.exit(f"dspark generate: --gamma {gamma} is beyond this drafter's calibration (γ <= {covered}), which "
+                 f"{chosen} needs at every draft position: pass --gamma {covered} or less, or --verify fixed "
+                 f"(or threshold) for any γ up to {MAX_BLOCK_SIZE}.")
+    if lookup and (drafter.confidence is None or covered < gamma):
+        limit = f"--gamma {covered} or less, or " if drafter.confidence is not None and covered else ""
+        sys.exit(f"dspark generate: --lookup compares drafts by calibrated confidence, which this drafter lacks at "
+                 f"γ = {gamma}: pass {limit}--no-lookup.")
 
 
 def add_parser(sub):

@@ -38,9 +38,10 @@ def default_mode(drafter) -> str:
     return drafter.config.verification if drafter.config.verification in modes else "fixed"
 
 
-def check_mode(drafter, mode: str) -> str | None:
-    """A message saying why ``mode`` cannot run with ``drafter``, or ``None``."""
-    need = unmet_need(drafter, mode)
+def check_mode(drafter, mode: str, gamma: int | None = None) -> str | None:
+    """A message, in the demo's control names, saying why ``mode`` cannot run with ``drafter`` at block size
+    ``gamma`` (the γ slider), or ``None``."""
+    need = unmet_need(drafter, mode, gamma)
     if need == "mode":
         return f"Unknown verification mode {mode!r}."
     if need == "confidence":
@@ -48,16 +49,25 @@ def check_mode(drafter, mode: str) -> str | None:
     if need == "calibration":
         return (f"This drafter has no calibration.json, so {mode!r} verification is unavailable: use 'fixed' or "
                 "'threshold', or fit one with `dspark calibrate`.")
+    if need == "calibration_length":
+        covered = len(drafter.calibration.temperatures)
+        return (f"'{mode}' verification needs calibrated confidences at every draft position, and this drafter's "
+                f"calibration covers γ ≤ {covered}: move the γ slider to {covered} or less, or pick 'fixed' or "
+                "'threshold' verification (any γ).")
     return None
 
 
 def check_lookup(drafter, lookup: bool, gamma: int) -> str | None:
-    """Why ``dspark_lookup`` cannot run with this drafter and γ (the message of :func:`~dspark_hf.lookup.lookup_enabled`),
-    or ``None``."""
+    """Why the 'prompt lookup' box cannot be ticked with this drafter and γ (see
+    :func:`~dspark_hf.decoding.lookup.lookup_enabled`), in the demo's control names, or ``None``."""
     try:
         lookup_enabled(bool(lookup), drafter, gamma, "async")  # the mode does not matter when asked for by name
-    except ValueError as err:
-        return str(err)
+    except ValueError:
+        covered = len(drafter.calibration.temperatures) if drafter.calibration is not None else 0
+        fix = f"move the γ slider to {covered} or less, or " if drafter.confidence is not None and covered else ""
+        return (f"Prompt lookup compares drafts by calibrated confidence, which this drafter lacks at γ = {gamma}: "
+                f"{fix}untick 'prompt lookup'"
+                + (" (or fit a calibration with `dspark calibrate`)." if drafter.confidence is not None and not covered else "."))
     return None
 
 
@@ -84,7 +94,8 @@ def stream_generation(target, tokenizer, prompt_ids: list[int], max_new_tokens: 
             run = timed_generate(target, prompt_ids, max_new_tokens, temperature, drafter, streamer, seed, **kwargs)
             events.put(("done", run.seconds))
         except Exception as err:  # shown in the app instead of killing the server thread
-            events.put(("error", f"{type(err).__name__}: {err}"))
+            # a ValueError is a refused setting, whose message names the fix; anything else is a failure to report
+            events.put(("error", str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"))
 
     thread = threading.Thread(target=work, name="dspark-demo-generate", daemon=True)
     thread.start()
@@ -162,7 +173,7 @@ def build_app(target, tokenizer, drafter, *, title: str = "DSpark speculative de
             base_html = base.render() if base is not None else ("" if side_by_side else idle)
             return shown, full, base_html, stats_html(result, base, greedy), plot, status
 
-        problem = (check_mode(drafter, mode) or check_lookup(drafter, lookup, int(gamma))
+        problem = (check_mode(drafter, mode, int(gamma)) or check_lookup(drafter, lookup, int(gamma))
                    or (None if prompt and prompt.strip() else "Type a prompt first."))
         if problem:
             yield frame(None, None, _plot_frame([]), f"⚠️ {problem}")
