@@ -180,6 +180,18 @@ def test_prompt_floor_takes_a_floor_round_apart():
     assert floor_summary([None]) is None
 
 
+def test_low_acceptance_suite_is_held_out_chat():
+    """The low-acceptance set (issue #28): at least 10 held-out chat prompts, in the order they were ranked."""
+    from dspark_hf.training.data import split_of
+
+    texts = suites_mod.suite_texts(["low-accept", "chat"])
+    low = texts["low-accept"]
+    assert [i for i, _ in low] == list(suites_mod.LOW_ACCEPTANCE_IDS) and len(low) >= 10
+    chat = dict(texts["chat"])
+    for record_id, prompt in low:
+        assert split_of(record_id) == "test" and chat[record_id] == prompt  # never trained on, not a math problem
+
+
 # ------------------------------------------------------------------------------------- smoke run
 V, D = 96, 64
 

@@ -31,7 +31,8 @@ works on token ids only, so tests drive it with a tiny random model. It makes th
 
 Suites: ``code`` = HumanEval; ``chat`` = held-out ShareGPT (``sharegpt_prompts("test")``, never
 train/validation/calibration) minus the math ones; ``math`` = the held-out ShareGPT conversations that
-:func:`is_math_problem` accepts; ``custom`` = a JSONL file of ``{"prompt": ...}`` lines.
+:func:`is_math_problem` accepts; ``custom`` = a JSONL file of ``{"prompt": ...}`` lines; ``long`` and ``low-accept``
+(:mod:`dspark_hf.bench.suites`) when named.
 
 Budget of the defaults (``BenchSettings``: 4 prompts per suite, 96 new tokens, three drafters) on a 2-core
 CPU where plain greedy runs at ~20 tok/s: 3 + 12 (+ 3) generations per prompt (two of them the ``+lookup``
