@@ -265,7 +265,7 @@ def test_scheduler_reads_the_row_of_the_current_context(hf_home):
     drafter.set_sps_curve(curve)
     ids = torch.randint(CYCLE_VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
     target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, max_new_tokens=30,
-                    do_sample=False, dspark_verification="scheduler")
+                    do_sample=False, dspark_verification="scheduler", dspark_lookup=False)
     context, differs = ids.shape[1], 0  # the prefill step adds one token, the cache holds all but the last
     for r in drafter.last_stats.rounds:
         if r.drafted:  # the last round may have had no room to draft (the target verifies its anchor alone)
