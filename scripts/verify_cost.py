@@ -105,6 +105,25 @@ def prefill_vs_extension_ms(model, drafter, prompt_len: int, repeats: int) -> tu
     return 1e3 * statistics.median(prefill), 1e3 * statistics.median(extension)
 
 
+@torch.inference_mode()
+def capture_cost_ms(model, layers: list[int], ctx: int, repeats: int) -> tuple[float, float]:
+    """Median ms of a 1-token forward over ``ctx`` cached positions without and with the drafter's feature layers
+    captured (``output_hidden_states=layers``, what a DSpark round asks of the target), interleaved (issue 28)."""
+    cache = filled_cache(model, ctx)
+    token = torch.tensor([[42]])
+    times = {False: [], True: []}
+    for r in range(repeats + 1):
+        for capture in (False, True):
+            start = time.perf_counter()
+            model(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1,
+                  **({"output_hidden_states": layers} if capture else {}))
+            elapsed = time.perf_counter() - start
+            cache.crop(-1)
+            if r:  # the first round is the warm-up
+                times[capture].append(elapsed)
+    return 1e3 * statistics.median(times[False]), 1e3 * statistics.median(times[True])
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=1)
@@ -155,6 +174,13 @@ def main():
     for prompt_len in args.prefill_prompts:
         prefill, extension = prefill_vs_extension_ms(models["new"], drafter, prompt_len, args.prefill_repeats)
         lines.append(f"| {prompt_len} | {prefill:.0f} | {extension:.0f} | {extension / prefill:.3f} |")
+    layers = [i + 1 for i in drafter.config.target_layer_ids]
+    lines += ["", f"A 1-token forward (`new` kernels, median of {4 * args.repeats}, interleaved) without / with the "
+              f"drafter's {len(layers)} feature layers captured (`output_hidden_states={layers}`, as every DSpark "
+              "round asks):", "", "| ctx | plain ms | captured ms | ratio |", "|---|---|---|---|"]
+    for ctx in args.decode_prompts:
+        plain, captured = capture_cost_ms(models["new"], layers, ctx, 4 * args.repeats)
+        lines.append(f"| {ctx} | {plain:.1f} | {captured:.1f} | {captured / plain:.3f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out is not None:
