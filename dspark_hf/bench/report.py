@@ -223,9 +223,11 @@ def write_plots(result: BenchResult, raw: dict, out_dir: Path, drafters: dict) -
                                                    drafter.calibration, out_dir / f"reliability_{name}.png")))
     fig = _figure()
     ax = fig.add_subplot()
-    ms = result.sps.ms_per_step
-    ax.plot(range(1, len(ms) + 1), ms, marker="o", markersize=3)
+    sps = result.sps
+    for context, ms in (sps.ms_per_step_by_context or {str(sps.context_len): sps.ms_per_step}).items():
+        ax.plot(range(1, len(ms) + 1), ms, marker="o", markersize=3, label=f"context {context}")
     ax.set(title="target verification cost", xlabel="tokens verified B", ylabel="ms per step", ylim=(0, None))
+    ax.legend(fontsize="x-small")
     written.append(_save(fig, out_dir / "sps_curve.png"))
     suites, methods = list(result.wall_clock.suites), result.wall_clock.methods
     fig = _figure(width=max(5.0, 0.6 * len(methods) * len(suites)))
