@@ -1,0 +1,494 @@
+"""Many requests at once: DSpark rounds for R requests in ONE target forward per step (paper §3.2.2, Algorithm 1).
+
+Each step (:meth:`ConcurrentDecoder.step`):
+
+1. requests admitted since the last step are prefilled, all in one ragged forward (their first token comes
+   from it); otherwise
+2. every running request drafts a block of ``γ_r = min(γ, tokens left − 1)`` from its own context;
+3. the verification mode picks ``ℓ_1 .. ℓ_R``: ``scheduler`` / ``async`` run Algorithm 1 across the requests
+   (:func:`~dspark_hf.decoding.scheduler.schedule_batch`, the ``async`` mode as the §5.2 global search on
+   confidences no draft of its block depends on), ``fixed`` verifies ``γ_r``, ``threshold`` the confident prefix;
+4. one target forward verifies ``B = Σ_r (1 + ℓ_r)`` tokens, no padding (:mod:`dspark_hf.decoding.ragged`);
+5. per request: acceptance (:func:`~dspark_hf.decoding.verification.accept_drafts`, greedy or exact speculative
+   sampling), token budget / EOS / stop check, KV rollback to the accepted length, the accepted positions' target
+   features kept for the drafter's context. A finished request leaves the batch and its caches are freed.
+
+Without a drafter the same loop is plain batched decoding (``ℓ_r = 0``, one token per request per step): the
+baseline runs through the same code. Entry points: :func:`generate_batch` (``target.generate`` with a batch,
+routed by :mod:`dspark_hf.decoding.routing`) and :func:`generate_concurrent` (a closed loop over a queue).
+
+Greedy output of each request equals its own batch-1 plain ``generate`` (each segment sees only its own
+request, at its own positions); sampled output is exact in law per request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..modeling.modeling_dspark import DSparkDrafter
+from .kernels import is_prepacked, prepack_linears
+from .profiling import load_or_profile_sps
+from .ragged import RaggedBatch, RequestKV, ragged_attention, ragged_forward
+from .scheduler import schedule_batch
+from .settings import _reject_stateful_processors, call_block_size
+from .stats import GenerationStats, RoundStats
+from .stopping import ROUND_EXACT_CRITERIA
+from .verification import POLICIES, accept_drafts, unmet_need
+
+MAX_PROFILED_TOKENS = 128  # the longest SPS curve profiled on demand (B = Σ (1 + ℓ_r) beyond it is never scheduled)
+
+
+@dataclass
+class StepStats:
+    """One target forward of a :class:`ConcurrentDecoder`.
+
+    Attributes:
+        requests: requests in the forward.
+        batch_tokens: ``B``, tokens verified (or prefilled) in it.
+        prefill: whether it prefilled newly admitted requests.
+        lengths: ``ℓ_r`` per request (empty for a prefill).
+        draft_ms / verify_ms / step_ms: the drafter passes, the target forward, the whole step (ms).
+        predicted_ms: ``1000 / SPS(B)`` from the curve the scheduler read (0 without one or for a prefill).
+    """
+
+    requests: int
+    batch_tokens: int
+    prefill: bool
+    lengths: list[int] = field(default_factory=list)
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    step_ms: float = 0.0
+    predicted_ms: float = 0.0
+
+
+@dataclass
+class BatchStats:
+    """What a batched or concurrent call records: one :class:`GenerationStats` per request (``rows[i]``, also
+    ``stats[i]``) and one :class:`StepStats` per target forward."""
+
+    rows: list[GenerationStats] = field(default_factory=list)
+    steps: list[StepStats] = field(default_factory=list)
+
+    def __getitem__(self, index: int) -> GenerationStats:
+        return self.rows[index]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per round over every request's rounds (bonus included)."""
+        rounds = [r for row in self.rows for r in row.rounds]
+        return sum(r.accepted + 1 for r in rounds) / len(rounds) if rounds else 0.0
+
+    @property
+    def mean_verified(self) -> float:
+        """Mean verification budget per request and step, ``1 + ℓ̄`` (paper Fig. 8)."""
+        lengths = [n for step in self.steps if not step.prefill for n in step.lengths]
+        return 1.0 + sum(lengths) / len(lengths) if lengths else 0.0
+
+
+class Request:
+    """One request of a :class:`ConcurrentDecoder`: its tokens, target KV cache, drafter context and statistics.
+
+    Attributes:
+        index: the order it was added in.
+        ids: prompt then generated token ids (host list; the last one is the anchor, not yet in the KV cache).
+        prompt_length: tokens of the prompt.
+        max_new_tokens: its token budget.
+        stats: per-round statistics (:class:`GenerationStats`; ``new_tokens`` counts its tokens).
+        done: finished (EOS, budget or stop); its caches are released.
+    """
+
+    def __init__(self, index: int, prompt: Sequence[int], max_new_tokens: int, num_layers: int, decoder):
+        self.index = index
+        self.ids = [int(t) for t in prompt]
+        self.prompt_length = len(self.ids)
+        self.max_new_tokens = max_new_tokens
+        self.kv: RequestKV | None = RequestKV(num_layers)
+        self.context = decoder.drafter.new_context() if decoder.drafter is not None else None
+        self.policy = POLICIES[decoder.mode]() if decoder.drafter is not None else None
+        self.pending: list[torch.Tensor] = []  # target features [1, n, m·d] not yet in the drafter's context
+        self.stats = GenerationStats(verification=decoder.mode if decoder.drafter is not None else "plain")
+        self.done = False
+
+    @property
+    def generated(self) -> list[int]:
+        return self.ids[self.prompt_length:]
+
+    @property
+    def room(self) -> int:
+        """Tokens it may still emit."""
+        return self.max_new_tokens - len(self.generated)
+
+    def release(self) -> None:
+        """Free its KV cache and drafter context (a finished request costs nothing)."""
+        self.kv, self.context, self.pending, self.done = None, None, [], True
+
+
+class ConcurrentDecoder:
+    """The concurrent decoding core: requests are added at any time, :meth:`step` advances all of them.
+
+    Args:
+        target: a causal LM whose attention is ``sdpa`` / ``eager`` (run as :data:`~dspark_hf.decoding.ragged.RAGGED`
+            inside :meth:`running`).
+        drafter: a :class:`DSparkDrafter`, or ``None`` for plain batched decoding through the same loop.
+        block_size / verification / threshold: γ, the verification mode, the ``threshold`` mode's threshold
+            (defaults: the drafter's config).
+        do_sample: sampling (exact in law per request) or greedy.
+        logits_processor: a ``LogitsProcessorList`` applied per request and position (stateless processors only,
+            as for one request), or ``None``.
+        eos_token_ids: ids that end a request (kept in its output).
+        stop: ``(request, ids) -> bool`` called after each emitted token (stop strings, custom criteria); the
+            request ends there.
+        sps: the SPS curve the scheduled modes read (default: the drafter's, profiled up to ``R·(γ+1)`` tokens,
+            at most :data:`MAX_PROFILED_TOKENS`, when it covers fewer than the requests run at once).
+
+    Raises:
+        ValueError: an unknown mode, a mode the drafter cannot run (no confidence head, no calibration covering
+            γ), a threshold outside [0, 1].
+    """
+
+    def __init__(self, target, drafter: DSparkDrafter | None = None, *, block_size: int | None = None,
+                 verification: str | None = None, threshold: float | None = None, do_sample: bool = False,
+                 logits_processor=None, eos_token_ids: Iterable[int] = (),
+                 stop: Callable[[Request, list[int]], bool] | None = None, sps=None):
+        self.target = target
+        self.drafter = drafter.bind(target) if drafter is not None else None
+        if drafter is not None and is_prepacked(target):
+            prepack_linears(self.drafter)
+        cfg = drafter.config if drafter is not None else None
+        self.block_size = int(block_size or (cfg.block_size if cfg else 0))
+        self.mode = verification or (cfg.verification if cfg else "fixed")
+        self.threshold = float(threshold if threshold is not None else (cfg.confidence_threshold if cfg else 0.0))
+        if drafter is not None:
+            self._check_mode()
+        self.do_sample = do_sample
+        self.processors = logits_processor if logits_processor is not None and len(logits_processor) else None
+        self.eos = {int(t) for t in eos_token_ids}
+        self.stop = stop
+        self.sps = sps
+        self.requests: list[Request] = []
+        self.stats = BatchStats()
+        text = target.config.get_text_config(decoder=True)
+        self.num_layers = text.num_hidden_layers
+        self.hidden_layers = [i + 1 for i in cfg.target_layer_ids] if cfg else []
+
+    def _check_mode(self):
+        need = unmet_need(self.drafter, self.mode, self.block_size)
+        if need is not None:
+            raise ValueError({
+                "mode": f"verification must be one of {tuple(POLICIES)}, got {self.mode!r}.",
+                "confidence": f"the {self.mode!r} mode needs a confidence head; this drafter has none (use 'fixed').",
+                "calibration": f"the {self.mode!r} mode needs a calibrated drafter (`dspark calibrate`); use 'fixed'.",
+                "calibration_length": f"the calibration covers fewer than {self.block_size} positions; lower the "
+                                      "block size or recalibrate.",
+            }[need])
+        if not 1 <= self.block_size:
+            raise ValueError(f"block_size must be >= 1 with a drafter, got {self.block_size}.")
+        if self.mode == "threshold" and not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"threshold must be a probability in [0, 1], got {self.threshold}.")
+
+    # ------------------------------------------------------------------------------------------ requests
+    def add(self, prompt: Sequence[int], max_new_tokens: int) -> Request:
+        """Queue a request (prefilled at the next :meth:`step`).
+
+        Raises:
+            ValueError: an empty prompt or ``max_new_tokens < 1``.
+        """
+        if len(prompt) == 0:
+            raise ValueError("a request needs at least one prompt token.")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+        request = Request(len(self.requests), prompt, int(max_new_tokens), self.num_layers, self)
+        self.requests.append(request)
+        self.stats.rows.append(request.stats)
+        return request
+
+    @property
+    def active(self) -> list[Request]:
+        return [r for r in self.requests if not r.done]
+
+    def running(self):
+        """Context manager: the target runs ragged attention inside it (:func:`~dspark_hf.decoding.ragged.
+        ragged_attention`); call :meth:`step` within it."""
+        return ragged_attention(self.target)
+
+    # ---------------------------------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self) -> dict[int, list[int]]:
+        """Advance every active request by one target forward (a prefill of the new ones, else one round).
+
+        Returns:
+            ``{request index: tokens emitted}`` for the requests in the forward.
+        """
+        start = time.perf_counter()
+        fresh = [r for r in self.active if r.kv.length == 0]
+        if fresh:
+            emitted = self._prefill(fresh)
+        else:
+            emitted = self._round(self.active) if self.active else {}
+        if self.stats.steps:
+            self.stats.steps[-1].step_ms = 1e3 * (time.perf_counter() - start)
+        return emitted
+
+    def _prefill(self, requests: list[Request]) -> dict[int, list[int]]:
+        """Phase 1: all new prompts in one ragged forward; the first token of each from its last position."""
+        segments = [r.ids for r in requests]
+        ends = torch.tensor([len(s) for s in segments]).cumsum(0) - 1
+        logits, hidden = self._forward(requests, segments, ends)
+        self.stats.steps.append(StepStats(len(requests), int(ends[-1]) + 1, True, verify_ms=self._last_forward_ms))
+        emitted, offset = {}, 0
+        for i, request in enumerate(requests):
+            n = len(segments[i])
+            self._keep_features(request, hidden, offset, n)
+            offset += n
+            row = self._process(request.ids, logits[i:i + 1])
+            token = accept_drafts(torch.tensor([request.ids]), torch.empty(0, dtype=torch.long), None, row,
+                                  self.do_sample)
+            emitted[request.index] = self._emit(request, token)
+        return emitted
+
+    def _round(self, requests: list[Request]) -> dict[int, list[int]]:
+        """Phases 2-5: draft, schedule, verify in one forward, accept and roll back per request."""
+        draft_start = time.perf_counter()
+        blocks = [self._draft(r) for r in requests]
+        draft_ms = 1e3 * (time.perf_counter() - draft_start)
+        lengths, sps = self._schedule(requests, blocks)
+        segments = [[r.ids[-1]] + (b.tokens[:n].tolist() if b is not None else []) for r, b, n in
+                    zip(requests, blocks, lengths)]
+        contexts = [r.kv.length for r in requests]
+        total = sum(len(s) for s in segments)
+        logits, hidden = self._forward(requests, segments, torch.arange(total))
+        step = StepStats(len(requests), total, False, list(lengths), draft_ms, self._last_forward_ms,
+                         predicted_ms=1e3 / sps[total - 1] if sps is not None and total <= len(sps) else 0.0)
+        self.stats.steps.append(step)
+        if sps is not None and self.sps.online:  # the curve learns this B at the requests' mean context
+            self.sps.observe(total, sum(contexts) // len(contexts), step.verify_ms / 1e3)
+        emitted, offset = {}, 0
+        for request, block, n, segment, context in zip(requests, blocks, lengths, segments, contexts):
+            m = len(segment)
+            rows = self._process(request.ids + segment[1:], logits[offset:offset + m], start=len(request.ids))
+            drafts = torch.tensor(segment[1:], dtype=torch.long)
+            draft_logits = block.logits[:n] if block is not None and block.logits is not None else None
+            tokens = accept_drafts(torch.tensor([request.ids]), drafts, draft_logits, rows, self.do_sample)
+            accepted = len(tokens) - 1
+            request.kv.truncate(context + 1 + accepted)  # the anchor and the accepted drafts stay (rollback)
+            self._keep_features(request, hidden, offset, 1 + accepted)
+            offset += m
+            out = self._emit(request, tokens)
+            request.stats.rounds.append(RoundStats(
+                drafted=block.tokens.numel() if block is not None else 0, scheduled=n, accepted=len(out) - 1,
+                draft_tokens=block.tokens.tolist() if block is not None else [],
+                confidences=block.confidences.tolist() if block is not None and block.confidences is not None else [],
+                draft_ms=draft_ms / len(requests), verify_ms=step.verify_ms))
+            emitted[request.index] = out
+        return emitted
+
+    # ------------------------------------------------------------------------------------------ phases
+    def _draft(self, request: Request):
+        """A block of ``γ_r = min(γ, room − 1)`` drafts for ``request`` (``None``: no drafter or no room)."""
+        gamma = min(self.block_size, request.room - 1)
+        if self.drafter is None or gamma <= 0:
+            return None
+        if request.pending:
+            features = torch.cat(request.pending, dim=1) if len(request.pending) > 1 else request.pending[0]
+            self.drafter.extend_context(request.context, features.to(self.drafter.context_proj.weight.device))
+            request.pending = []
+        ids = torch.tensor([request.ids]) if self.processors is not None else None
+        return self.drafter.draft(request.context, request.ids[-1], gamma, self.do_sample, self.processors, ids)
+
+    def _schedule(self, requests: list[Request], blocks) -> tuple[list[int], list[float] | None]:
+        """``ℓ_r`` per request by the verification mode, and the SPS row it read (``None`` if none)."""
+        if self.drafter is None:
+            return [0] * len(requests), None
+        policy = POLICIES[self.mode]
+        if not policy.needs_calibration:
+            return [0 if b is None else requests[i].policy.prefix_length(
+                b.confidences, self.drafter.calibration, None, b.tokens.numel(), self.threshold)
+                for i, b in enumerate(blocks)], None
+        sps = self._sps_row(requests)
+        scheduled, early_stop = [], False
+        for request, block in zip(requests, blocks):
+            if block is None:  # verifies its anchor only: one token of B that no candidate of its own can join
+                scheduled.append(torch.zeros(1))
+                continue
+            confidences, stops = request.policy.scheduled_confidences(block.confidences, self.drafter.calibration)
+            scheduled.append(confidences)
+            early_stop = early_stop or stops
+        lengths = schedule_batch(scheduled, sps, early_stop=early_stop)
+        return [min(n, b.tokens.numel()) if b is not None else 0 for n, b in zip(lengths, blocks)], sps
+
+    def _sps_row(self, requests: list[Request]) -> list[float]:
+        """SPS(B) for ``B = 1 ..`` at the requests' mean context. A curve that covers fewer tokens than there are
+        requests is profiled again, to ``R·(γ+1)`` tokens (at most :data:`MAX_PROFILED_TOKENS`, at least ``R``);
+        a longer one is used as it is (Algorithm 1 admits no candidate past its end)."""
+        if self.sps is None:
+            self.sps = self.drafter.sps_curve
+        if self.sps is None or self.sps.max_tokens < len(requests):
+            needed = min(len(requests) * (self.block_size + 1), MAX_PROFILED_TOKENS)
+            self.sps = load_or_profile_sps(self.target, max_tokens=max(needed, len(requests)))
+            self.drafter.set_sps_curve(self.sps)
+        return self.sps.at(sum(r.kv.length for r in requests) // len(requests))
+
+    def _forward(self, requests: list[Request], segments: list[list[int]], keep: torch.Tensor):
+        """One ragged target forward; returns ``(logits [K, V], hidden_states)`` and times it."""
+        device = self.target.device
+        ids = torch.tensor([[t for s in segments for t in s]], device=device)
+        batch = RaggedBatch([r.kv for r in requests], [len(s) for s in segments])
+        start = time.perf_counter()
+        logits, hidden = ragged_forward(self.target, ids, batch, keep.to(device), self.hidden_layers)
+        self._last_forward_ms = 1e3 * (time.perf_counter() - start)
+        return logits, hidden
+
+    def _process(self, ids: list[int], logits: torch.Tensor, start: int | None = None) -> torch.Tensor:
+        """Apply the logits processors to ``logits [m, V]``; row ``i`` follows ``ids[:start + i]``."""
+        if self.processors is None:
+            return logits
+        start = len(ids) if start is None else start
+        prefix = torch.tensor([ids], device=logits.device)
+        return torch.cat([self.processors(prefix[:, :start + i], logits[i:i + 1]) for i in range(logits.shape[0])])
+
+    def _keep_features(self, request: Request, hidden, offset: int, n: int) -> None:
+        """Keep the target features ``[1, n, m·d]`` of the segment's first ``n`` rows for the drafter's context."""
+        if self.drafter is not None:
+            request.pending.append(torch.cat([hidden[i][:, offset:offset + n] for i in self.hidden_layers], -1))
+
+    def _emit(self, request: Request, tokens: list[int]) -> list[int]:
+        """Append ``tokens`` up to the budget, the first EOS or the first stop; finish and free the request there."""
+        out = []
+        for token in tokens[: request.room]:
+            request.ids.append(token)
+            out.append(token)
+            if token in self.eos or (self.stop is not None and self.stop(request, request.ids)):
+                request.release()
+                return out
+        if request.room <= 0:
+            request.release()
+        return out
+
+
+def generate_concurrent(target, drafter: DSparkDrafter | None, prompts: Iterable[Sequence[int]], *,
+                        max_concurrency: int = 4, max_new_tokens: int = 128, on_tokens=None,
+                        **decoder_kwargs) -> tuple[list[list[int]], BatchStats]:
+    """A closed loop over a queue of prompts: at most ``max_concurrency`` in flight, a finished request replaced by
+    the next one at the following step (serving-like load on one Python process).
+
+    Args:
+        target / drafter: as :class:`ConcurrentDecoder` (``drafter=None``: plain batched decoding).
+        prompts: token-id sequences (e.g. ``tokenizer(text)["input_ids"]``).
+        max_concurrency: ``R``, requests per target forward.
+        max_new_tokens: each request's token budget.
+        on_tokens: optional ``(prompt index, new token ids)`` callback after every step (streaming).
+        decoder_kwargs: :class:`ConcurrentDecoder` settings (``block_size``, ``verification``, ``do_sample``,
+            ``logits_processor``, ``eos_token_ids``, ``sps``, ...).
+
+    Returns:
+        ``(outputs, stats)``: the generated ids of each prompt (in prompt order) and :class:`BatchStats`
+        (``stats[i]`` for prompt ``i``).
+
+    Raises:
+        ValueError: ``max_concurrency < 1``; as :class:`ConcurrentDecoder` and :meth:`ConcurrentDecoder.add`.
+    """
+    if max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}.")
+    decoder = ConcurrentDecoder(target, drafter, **decoder_kwargs)
+    queue = list(prompts)
+    admitted = 0
+    with decoder.running():
+        while admitted < len(queue) or decoder.active:
+            while admitted < len(queue) and len(decoder.active) < max_concurrency:
+                decoder.add(queue[admitted], max_new_tokens)
+                admitted += 1
+            for index, tokens in decoder.step().items():
+                if on_tokens is not None and tokens:
+                    on_tokens(index, tokens)
+    return [r.generated for r in decoder.requests], decoder.stats
+
+
+def _left_padded_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:
+    """Each row's real tokens (``attention_mask == 1``) of a left-padded batch.
+
+    Raises:
+        ValueError: a row is right-padded or has holes (``padding_side="left"`` is what batched generation
+            needs), or has no token at all.
+    """
+    if attention_mask is None:
+        return input_ids.tolist()
+    rows = []
+    for ids, mask in zip(input_ids.tolist(), attention_mask.long().tolist()):
+        real = sum(mask)
+        if real == 0 or mask[len(mask) - real:] != [1] * real:
+            raise ValueError("Batched DSpark generate needs left-padded rows with at least one token each "
+                             "(tokenizer.padding_side = 'left'); got a row with padding after or inside its tokens.")
+        rows.append(ids[len(ids) - real:])
+    return rows
+
+
+def generate_batch(target, drafter: DSparkDrafter, input_ids: torch.Tensor, generation_config, logits_processor,
+                   stopping_criteria, model_kwargs: dict, streamer=None) -> torch.LongTensor:
+    """``target.generate(**batch, assistant_model=drafter)`` for a batch of ``R > 1`` rows (routed here by
+    :mod:`dspark_hf.decoding.routing` in place of transformers' batch-1 assisted loop).
+
+    All rows run in one :class:`ConcurrentDecoder`; each finishes on its own (EOS, ``max_new_tokens``, stop strings
+    and custom stopping criteria, checked after every token) and then costs nothing. ``drafter.last_stats`` is a
+    :class:`BatchStats` (``drafter.last_stats[i]``: row ``i``'s rounds).
+
+    Args:
+        input_ids: ``[R, L]`` left-padded prompts; model_kwargs: ``generate``'s (``attention_mask`` ``[R, L]``).
+        generation_config / logits_processor / stopping_criteria: as ``generate`` prepared them.
+
+    Returns:
+        ``[R, L + T]``: the padded prompts, then each row's new tokens, padded after its end with the pad token
+        (as batched plain ``generate`` returns them; ``T`` is the longest row's new tokens).
+
+    Raises:
+        ValueError: a streamer, ``return_dict_in_generate``, ``dspark_lookup=True``, a pre-filled cache or
+            right-padded rows (not supported for batches), and as :class:`ConcurrentDecoder`.
+    """
+    if streamer is not None:
+        raise ValueError("Streamers take one row; with a batch, use dspark_hf.generate_concurrent(..., on_tokens=...) "
+                         "or call generate once per prompt.")
+    if generation_config.return_dict_in_generate:
+        raise ValueError("return_dict_in_generate is not supported for batched DSpark generate; read per-row "
+                         "statistics from drafter.last_stats.")
+    if getattr(generation_config, "dspark_lookup", None):
+        raise ValueError("dspark_lookup (prompt lookup) runs for one request; batched DSpark generate drafts with the "
+                         "drafter only: drop dspark_lookup or call generate once per prompt.")
+    cache = model_kwargs.get("cache")
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError("A pre-filled cache is not supported for batched DSpark generate; pass the whole sequences.")
+    _reject_stateful_processors(logits_processor)
+    attention_mask = model_kwargs.get("attention_mask")
+    rows = _left_padded_rows(input_ids, attention_mask)
+    width = input_ids.shape[1]
+    per_token = [c for c in stopping_criteria if not isinstance(c, ROUND_EXACT_CRITERIA)]
+
+    def stop(request: Request, ids: list[int]) -> bool:  # custom criteria see the row as plain generate shows it
+        padded = input_ids[request.index, : width - request.prompt_length].tolist() + ids
+        row = torch.tensor([padded], device=input_ids.device)
+        return any(bool(c(row, None).any()) for c in per_token)
+
+    eos = generation_config._eos_token_tensor
+    decoder = ConcurrentDecoder(
+        target, drafter, block_size=call_block_size(generation_config, drafter.config.block_size), verification=getattr(generation_config, "dspark_verification", None),
+        threshold=getattr(generation_config, "dspark_threshold", None), do_sample=bool(generation_config.do_sample),
+        logits_processor=logits_processor, eos_token_ids=eos.reshape(-1).tolist() if eos is not None else (),
+        stop=stop if per_token else None)
+    drafter.last_stats = decoder.stats
+    for row in rows:
+        decoder.add(row, generation_config.max_length - width)
+    with decoder.running():
+        while decoder.active:
+            decoder.step()
+    pad = generation_config._pad_token_tensor
+    pad_id = int(pad.reshape(-1)[0]) if pad is not None else (eos.reshape(-1)[0].item() if eos is not None else 0)
+    longest = max(len(r.generated) for r in decoder.requests)
+    new = torch.full((len(rows), longest), pad_id, dtype=input_ids.dtype, device=input_ids.device)
+    for i, request in enumerate(decoder.requests):
+        new[i, : len(request.generated)] = torch.tensor(request.generated, dtype=input_ids.dtype)
+    return torch.cat([input_ids, new], dim=1)
