@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModel
 
 from .decoding.calibration import SequentialTemperatureScaling
 from .decoding.candidate_generator import DSparkCandidateGenerator
+from .decoding.concurrent import BatchStats, ConcurrentDecoder, generate_concurrent
 from .decoding.kernels import pack_rows, prepack_linears
 from .decoding.profiling import load_or_profile_sps, profile_sps, save_sps
 from .decoding.routing import install, uninstall
@@ -45,6 +46,8 @@ DSparkDrafter.register_for_auto_class("AutoModel")
 install()
 
 __all__ = [
+    "BatchStats",
+    "ConcurrentDecoder",
     "DSparkCandidateGenerator",
     "DSparkConfig",
     "DSparkDrafter",
@@ -52,6 +55,7 @@ __all__ = [
     "NoisySPSWarning",
     "SPSCurve",
     "SequentialTemperatureScaling",
+    "generate_concurrent",
     "install",
     "load_default_target",
     "load_or_profile_sps",

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..modeling.modeling_dspark import DSparkDrafter
+from ..modeling.outputs import DraftBlock
 from .kernels import is_prepacked, prepack_linears
 from .profiling import load_or_profile_sps
 from .ragged import RaggedBatch, RequestKV, ragged_attention, ragged_forward
@@ -256,7 +257,7 @@ class ConcurrentDecoder:
     def _round(self, requests: list[Request]) -> dict[int, list[int]]:
         """Phases 2-5: draft, schedule, verify in one forward, accept and roll back per request."""
         draft_start = time.perf_counter()
-        blocks = [self._draft(r) for r in requests]
+        blocks = self._draft(requests)
         draft_ms = 1e3 * (time.perf_counter() - draft_start)
         lengths, sps = self._schedule(requests, blocks)
         segments = [[r.ids[-1]] + (b.tokens[:n].tolist() if b is not None else []) for r, b, n in
@@ -290,17 +291,23 @@ class ConcurrentDecoder:
         return emitted
 
     # ------------------------------------------------------------------------------------------ phases
-    def _draft(self, request: Request):
-        """A block of ``γ_r = min(γ, room − 1)`` drafts for ``request`` (``None``: no drafter or no room)."""
-        gamma = min(self.block_size, request.room - 1)
-        if self.drafter is None or gamma <= 0:
-            return None
-        if request.pending:
-            features = torch.cat(request.pending, dim=1) if len(request.pending) > 1 else request.pending[0]
-            self.drafter.extend_context(request.context, features.to(self.drafter.context_proj.weight.device))
-            request.pending = []
-        ids = torch.tensor([request.ids]) if self.processors is not None else None
-        return self.drafter.draft(request.context, request.ids[-1], gamma, self.do_sample, self.processors, ids)
+    def _draft(self, requests: list[Request]) -> list[DraftBlock | None]:
+        """A block of ``γ_r = min(γ, room − 1)`` drafts per request, all in one drafter pass
+        (:meth:`~dspark_hf.DSparkDrafter.draft_many` at the largest ``γ_r``, each block cut to its ``γ_r``);
+        ``None`` for a request without room (or without a drafter)."""
+        gammas = [min(self.block_size, r.room - 1) if self.drafter is not None else 0 for r in requests]
+        drafting = [r for r, g in zip(requests, gammas) if g > 0]
+        if not drafting:
+            return [None] * len(requests)
+        for request in drafting:  # the accepted positions' features join the context (paper Fig. 1)
+            if request.pending:
+                features = torch.cat(request.pending, dim=1) if len(request.pending) > 1 else request.pending[0]
+                self.drafter.extend_context(request.context, features.to(self.drafter.context_proj.weight.device))
+                request.pending = []
+        ids = [torch.tensor([r.ids]) for r in drafting] if self.processors is not None else None
+        blocks = iter(self.drafter.draft_many([r.context for r in drafting], [r.ids[-1] for r in drafting],
+                                              max(gammas), self.do_sample, self.processors, ids))
+        return [_cut(next(blocks), g) if g > 0 else None for g in gammas]
 
     def _schedule(self, requests: list[Request], blocks) -> tuple[list[int], list[float] | None]:
         """``ℓ_r`` per request by the verification mode, and the SPS row it read (``None`` if none)."""
@@ -370,6 +377,12 @@ class ConcurrentDecoder:
         if request.room <= 0:
             request.release()
         return out
+
+
+def _cut(block: DraftBlock, gamma: int) -> DraftBlock:
+    """The first ``gamma`` positions of ``block`` (drafts are left to right: a prefix is a shorter block)."""
+    return DraftBlock(tokens=block.tokens[:gamma], logits=block.logits[:gamma] if block.logits is not None else None,
+                      confidences=block.confidences[:gamma] if block.confidences is not None else None)
 
 
 def generate_concurrent(target, drafter: DSparkDrafter | None, prompts: Iterable[Sequence[int]], *,

@@ -247,15 +247,16 @@ class DSparkDrafter(PreTrainedModel):
         cos, sin = self.rotary_emb(h, positions)
         return [layer.self_attn.key_values(h, cos, sin) for layer in self.layers]
 
-    def backbone(self, block_embeds, positions, context_kv, anchors=None) -> torch.Tensor:
+    def backbone(self, block_embeds, positions, context_kv, anchors=None, context_mask=None) -> torch.Tensor:
         """Parallel stage: ``block_embeds`` ``[B, q, d]`` at ``positions`` ``[B, q]`` -> ``h`` ``[B, q, d]``.
 
-        ``anchors`` ``[B, A]`` switches to packed training blocks (see ``DSparkAttention.forward``).
+        ``anchors`` ``[B, A]`` switches to packed training blocks (see ``DSparkAttention.forward``);
+        ``context_mask`` ``[B, n]`` marks each row's real context positions (padded contexts of several requests).
         """
         cos, sin = self.rotary_emb(block_embeds, positions)
         x = block_embeds
         for layer, kv in zip(self.layers, context_kv):
-            x = layer(x, cos, sin, kv, anchors)
+            x = layer(x, cos, sin, kv, anchors, context_mask)
         return self.norm(x)
 
     def block_embeddings(self, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -362,13 +363,53 @@ class DSparkDrafter(PreTrainedModel):
         """
         gamma = block_size or self.config.block_size
         device = self.context_proj.weight.device
-        forced = forced_tokens.reshape(-1).to(device) if forced_tokens is not None else None
-        n_forced = forced.numel() if forced is not None else 0
-        if n_forced >= gamma:
-            raise ValueError(f"forced_tokens must leave a position to draft: {n_forced} forced, block size {gamma}")
+        if forced_tokens is not None and forced_tokens.numel() >= gamma:
+            raise ValueError(f"forced_tokens must leave a position to draft: {forced_tokens.numel()} forced, "
+                             f"block size {gamma}")
         anchor_t = torch.tensor([anchor], device=device)
         positions = torch.arange(context.length, context.length + gamma, device=device)[None]
         hidden = self.backbone(self.block_embeddings(anchor_t, gamma), positions, context.layers)[0]  # [γ, d]
+        return self._sample_block(hidden, anchor, do_sample, logits_processor, prefix_ids, generator, forced_tokens)
+
+    @torch.no_grad()
+    def draft_many(self, contexts: list[DraftContext], anchors: list[int], block_size: int | None = None,
+                   do_sample=False, logits_processor=None, prefix_ids: list[torch.Tensor] | None = None,
+                   generator=None) -> list[DraftBlock]:
+        """One block for each of ``R`` requests in ONE backbone pass (their contexts padded to the longest and
+        masked), then each request's heads left to right as in :meth:`draft`.
+
+        Args:
+            contexts / anchors: each request's context cache (non-empty) and anchor id.
+            prefix_ids: each request's ``[1, L_r]`` ids when ``logits_processor`` is given.
+            block_size / do_sample / logits_processor / generator: as :meth:`draft`.
+
+        Returns:
+            ``list[DraftBlock]``, one per request, as :meth:`draft` returns it.
+        """
+        gamma = block_size or self.config.block_size
+        device = self.context_proj.weight.device
+        longest = max(c.length for c in contexts)
+        mask = torch.stack([torch.arange(longest, device=device) < c.length for c in contexts])  # [R, n]
+        layers = []
+        for layer in range(len(self.layers)):  # per layer [R, kv_heads, n, head_dim], zero-padded after each context
+            kv = [c.layers[layer] for c in contexts]
+            layers.append(tuple(torch.cat([F.pad(t[i], (0, 0, 0, longest - t[i].shape[2])) for t in kv])
+                                for i in (0, 1)))
+        anchor_t = torch.tensor(anchors, device=device)
+        positions = torch.stack([torch.arange(c.length, c.length + gamma, device=device) for c in contexts])
+        hidden = self.backbone(self.block_embeddings(anchor_t, gamma), positions, layers, context_mask=mask)
+        return [self._sample_block(hidden[r], anchors[r], do_sample, logits_processor,
+                                   prefix_ids[r] if prefix_ids is not None else None, generator)
+                for r in range(len(contexts))]
+
+    def _sample_block(self, hidden: torch.Tensor, anchor: int, do_sample, logits_processor, prefix_ids, generator,
+                      forced_tokens=None) -> DraftBlock:
+        """The heads of one block, left to right (eqs. 4-7): ``hidden`` ``[γ, d]`` -> :class:`DraftBlock`."""
+        device = hidden.device
+        gamma = hidden.shape[0]
+        forced = forced_tokens.reshape(-1).to(device) if forced_tokens is not None else None
+        n_forced = forced.numel() if forced is not None else 0
+        anchor_t = torch.tensor([anchor], device=device)
         base = self.base_logits(hidden)  # [γ, V']
         state = self.sequential.initial_state(hidden[0]) if isinstance(self.sequential, RNNHead) else None
         ids = prefix_ids if prefix_ids is not None else anchor_t[None]
