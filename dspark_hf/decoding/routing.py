@@ -10,7 +10,7 @@ Every other assistant keeps transformers' own behaviour untouched.
 * ``_validate_generation_mode``: ``dspark_*`` settings and unsupported assistant options are refused before any
   compute (:mod:`dspark_hf.decoding.settings`), the drafter is bound to the target, and a ``trust_remote_code``
   copy of the drafter class is swapped for this package's (:func:`package_drafter`);
-* ``_assisted_decoding``: a batch of several rows goes to :func:`~dspark_hf.decoding.concurrent.generate_batch`
+* ``_assisted_decoding``: a batch of several rows goes to :func:`~dspark_hf.decoding.batch_generate.generate_batch`
   (all rows in one ragged target forward per step); for one row, a user's pre-filled cache is emptied so the whole prompt is prefilled
   (:func:`restart_prefilled_cache`); stop strings and custom criteria see every token
   (:mod:`dspark_hf.decoding.stopping`).
@@ -34,9 +34,9 @@ from transformers.generation.utils import GenerationMixin
 
 from ..modeling.configuration_dspark import DSparkConfig
 from ..modeling.modeling_dspark import DSparkDrafter
+from .batch_generate import generate_batch
 from .calibration import SequentialTemperatureScaling
 from .candidate_generator import DSparkCandidateGenerator
-from .concurrent import generate_batch
 from .settings import (
     DSPARK_GENERATE_KWARGS,
     _reject_dspark_settings_without_drafter,

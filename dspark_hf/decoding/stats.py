@@ -91,3 +91,52 @@ class GenerationStats:
             verify_ms=sum(r.verify_ms for r in self.rounds),
             per_round=[r.__dict__ for r in self.rounds],
         )
+
+
+@dataclass
+class StepStats:
+    """One target forward of a :class:`ConcurrentDecoder`.
+
+    Attributes:
+        requests: requests in the forward.
+        batch_tokens: ``B``, tokens verified (or prefilled) in it.
+        prefill: whether it prefilled newly admitted requests.
+        lengths: ``ℓ_r`` per request (empty for a prefill).
+        draft_ms / verify_ms / step_ms: the drafter passes, the target forward, the whole step (ms).
+        predicted_ms: ``1000 / SPS(B)`` from the curve the scheduler read (0 without one or for a prefill).
+    """
+
+    requests: int
+    batch_tokens: int
+    prefill: bool
+    lengths: list[int] = field(default_factory=list)
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    step_ms: float = 0.0
+    predicted_ms: float = 0.0
+
+
+@dataclass
+class BatchStats:
+    """What a batched or concurrent call records (:mod:`dspark_hf.decoding.concurrent`): one :class:`GenerationStats` per request (``rows[i]``, also
+    ``stats[i]``) and one :class:`StepStats` per target forward."""
+
+    rows: list[GenerationStats] = field(default_factory=list)
+    steps: list[StepStats] = field(default_factory=list)
+
+    def __getitem__(self, index: int) -> GenerationStats:
+        return self.rows[index]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per round over every request's rounds (bonus included)."""
+        return tau([r.accepted for row in self.rows for r in row.rounds]) or 0.0
+
+    @property
+    def mean_verified(self) -> float:
+        """Mean verification budget per request and step, ``1 + ℓ̄`` (paper Fig. 8)."""
+        lengths = [n for step in self.steps if not step.prefill for n in step.lengths]
+        return 1.0 + sum(lengths) / len(lengths) if lengths else 0.0

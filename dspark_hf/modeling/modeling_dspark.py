@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
@@ -23,6 +22,7 @@ from transformers.utils.hub import cached_file
 
 from .backbone import DSparkLayer, _llama_config
 from .configuration_dspark import DSparkConfig
+from .drafting import pad_contexts, sample_block
 from .heads import ConfidenceHead, MarkovHead, RNNHead
 from .outputs import DraftBlock, DraftContext, DraftOutput
 from .target_checks import check_row_independent, lm_head_weight
@@ -369,7 +369,7 @@ class DSparkDrafter(PreTrainedModel):
         anchor_t = torch.tensor([anchor], device=device)
         positions = torch.arange(context.length, context.length + gamma, device=device)[None]
         hidden = self.backbone(self.block_embeddings(anchor_t, gamma), positions, context.layers)[0]  # [γ, d]
-        return self._sample_block(hidden, anchor, do_sample, logits_processor, prefix_ids, generator, forced_tokens)
+        return sample_block(self, hidden, anchor, do_sample, logits_processor, prefix_ids, generator, forced_tokens)
 
     @torch.no_grad()
     def draft_many(self, contexts: list[DraftContext], anchors: list[int], block_size: int | None = None,
@@ -388,65 +388,13 @@ class DSparkDrafter(PreTrainedModel):
         """
         gamma = block_size or self.config.block_size
         device = self.context_proj.weight.device
-        longest = max(c.length for c in contexts)
-        mask = torch.stack([torch.arange(longest, device=device) < c.length for c in contexts])  # [R, n]
-        layers = []
-        for layer in range(len(self.layers)):  # per layer [R, kv_heads, n, head_dim], zero-padded after each context
-            kv = [c.layers[layer] for c in contexts]
-            layers.append(tuple(torch.cat([F.pad(t[i], (0, 0, 0, longest - t[i].shape[2])) for t in kv])
-                                for i in (0, 1)))
+        layers, mask = pad_contexts(contexts)
         anchor_t = torch.tensor(anchors, device=device)
         positions = torch.stack([torch.arange(c.length, c.length + gamma, device=device) for c in contexts])
         hidden = self.backbone(self.block_embeddings(anchor_t, gamma), positions, layers, context_mask=mask)
-        return [self._sample_block(hidden[r], anchors[r], do_sample, logits_processor,
+        return [sample_block(self, hidden[r], anchors[r], do_sample, logits_processor,
                                    prefix_ids[r] if prefix_ids is not None else None, generator)
                 for r in range(len(contexts))]
-
-    def _sample_block(self, hidden: torch.Tensor, anchor: int, do_sample, logits_processor, prefix_ids, generator,
-                      forced_tokens=None) -> DraftBlock:
-        """The heads of one block, left to right (eqs. 4-7): ``hidden`` ``[γ, d]`` -> :class:`DraftBlock`."""
-        device = hidden.device
-        gamma = hidden.shape[0]
-        forced = forced_tokens.reshape(-1).to(device) if forced_tokens is not None else None
-        n_forced = forced.numel() if forced is not None else 0
-        anchor_t = torch.tensor([anchor], device=device)
-        base = self.base_logits(hidden)  # [γ, V']
-        state = self.sequential.initial_state(hidden[0]) if isinstance(self.sequential, RNNHead) else None
-        ids = prefix_ids if prefix_ids is not None else anchor_t[None]
-        processors = logits_processor if logits_processor is not None and len(logits_processor) > 0 else None
-        full_vocab = do_sample or processors is not None
-        prev, tokens, logits, confs = anchor_t[0], [], [], []
-        for k in range(gamma):
-            emb = self.token_embedding(prev) if self.token_table is not None else None
-            row = base[k]
-            if isinstance(self.sequential, MarkovHead):
-                row = row + self.sequential(emb)
-            elif isinstance(self.sequential, RNNHead):
-                state, bias = self.sequential(state, emb, hidden[k])
-                row = row + bias
-            if k < n_forced:
-                prev = forced[k]
-                if full_vocab:
-                    logits.append(F.one_hot(prev, self.config.vocab_size).float().log())
-            elif full_vocab:  # float32 in every dtype: the q sampled from is softmax of the very row returned
-                full = row.new_full((self.config.vocab_size,), float("-inf"), dtype=torch.float32)
-                full[self.draft_vocab] = row.float()
-                if processors is not None:
-                    full = processors(ids, full[None])[0]
-                prev = torch.multinomial(full.softmax(-1), 1, generator=generator)[0] if do_sample else full.argmax()
-                logits.append(full)
-            else:
-                prev = self.draft_vocab[row.argmax()]
-            if self.confidence is not None:
-                confs.append(torch.sigmoid(self.confidence(hidden[k], emb)))
-            tokens.append(prev)
-            if processors is not None:
-                ids = torch.cat([ids, prev.view(1, 1)], dim=-1)
-        return DraftBlock(
-            tokens=torch.stack(tokens),
-            logits=torch.stack(logits) if logits else None,
-            confidences=torch.stack(confs) if confs else None,
-        )
 
 
 
