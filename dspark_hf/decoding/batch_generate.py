@@ -41,7 +41,7 @@ def generate_concurrent(target, drafter: DSparkDrafter | None, prompts: Iterable
     """
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}.")
-    decoder = ConcurrentDecoder(target, drafter, **decoder_kwargs)
+    decoder = ConcurrentDecoder(target, drafter, **{"max_requests": max_concurrency, **decoder_kwargs})
     queue = list(prompts)
     admitted = 0
     with decoder.running():
@@ -123,7 +123,7 @@ def generate_batch(target, drafter: DSparkDrafter, input_ids: torch.Tensor, gene
         target, drafter, block_size=call_block_size(generation_config, drafter.config.block_size), verification=getattr(generation_config, "dspark_verification", None),
         threshold=getattr(generation_config, "dspark_threshold", None), do_sample=bool(generation_config.do_sample),
         logits_processor=logits_processor, eos_token_ids=eos.reshape(-1).tolist() if eos is not None else (),
-        stop=stop if per_token else None)
+        stop=stop if per_token else None, max_requests=len(rows))
     drafter.last_stats = decoder.stats
     for row in rows:
         decoder.add(row, generation_config.max_length - width)

@@ -30,6 +30,7 @@ import torch
 
 from ..modeling.modeling_dspark import DSparkDrafter
 from ..modeling.outputs import DraftBlock
+from .batch_costs import DraftGate, StepCosts
 from .kernels import is_prepacked, prepack_linears
 from .profiling import load_or_profile_sps
 from .ragged import RaggedBatch, RequestKV, ragged_attention, ragged_forward
@@ -93,18 +94,23 @@ class ConcurrentDecoder:
         eos_token_ids: ids that end a request (kept in its output).
         stop: ``(request, ids) -> bool`` called after each emitted token (stop strings, custom criteria); the
             request ends there.
-        sps: the SPS curve the scheduled modes read (default: the drafter's, profiled up to ``R·(γ+1)`` tokens,
-            at most :data:`MAX_PROFILED_TOKENS`, when it covers fewer than the requests run at once).
+        max_requests: ``R``, the most requests in flight at once (:meth:`add` refuses more); the scheduled modes'
+            SPS curve is profiled up to ``R·(γ+1)`` tokens (at most :data:`MAX_PROFILED_TOKENS`).
+        sps: the SPS curve the scheduled modes read (default: the drafter's when it covers those tokens, else
+            :func:`~dspark_hf.decoding.profiling.load_or_profile_sps`, at :meth:`running`'s start).
 
     Raises:
         ValueError: an unknown mode, a mode the drafter cannot run (no confidence head, no calibration covering
-            γ), a threshold outside [0, 1].
+            γ), a threshold outside [0, 1], ``max_requests < 1``.
+
+    In the scheduled modes a :class:`~dspark_hf.decoding.batch_costs.DraftGate` decides before each step whether
+    drafting is expected to beat plain batched decoding (:class:`~dspark_hf.decoding.batch_costs.StepCosts`).
     """
 
     def __init__(self, target, drafter: DSparkDrafter | None = None, *, block_size: int | None = None,
                  verification: str | None = None, threshold: float | None = None, do_sample: bool = False,
                  logits_processor=None, eos_token_ids: Iterable[int] = (),
-                 stop: Callable[[Request, list[int]], bool] | None = None, sps=None):
+                 stop: Callable[[Request, list[int]], bool] | None = None, max_requests: int = 8, sps=None):
         self.target = target
         self.drafter = drafter.bind(target) if drafter is not None else None
         if drafter is not None and is_prepacked(target):
@@ -119,7 +125,12 @@ class ConcurrentDecoder:
         self.processors = logits_processor if logits_processor is not None and len(logits_processor) else None
         self.eos = {int(t) for t in eos_token_ids}
         self.stop = stop
+        if max_requests < 1:
+            raise ValueError(f"max_requests must be >= 1, got {max_requests}.")
+        self.max_requests = int(max_requests)
         self.sps = sps
+        self.costs: StepCosts | None = None  # the scheduled modes' cost model, made by running()
+        self.gate = DraftGate()
         self.requests: list[Request] = []
         self.stats = BatchStats()
         text = target.config.get_text_config(decoder=True)
@@ -146,8 +157,10 @@ class ConcurrentDecoder:
         """Queue a request (prefilled at the next :meth:`step`).
 
         Raises:
-            ValueError: an empty prompt or ``max_new_tokens < 1``.
+            ValueError: an empty prompt, ``max_new_tokens < 1``, or ``max_requests`` requests already in flight.
         """
+        if len(self.active) >= self.max_requests:
+            raise ValueError(f"{self.max_requests} requests are in flight (max_requests); step until one finishes.")
         if len(prompt) == 0:
             raise ValueError("a request needs at least one prompt token.")
         if max_new_tokens < 1:
@@ -163,7 +176,15 @@ class ConcurrentDecoder:
 
     def running(self):
         """Context manager: the target runs ragged attention inside it (:func:`~dspark_hf.decoding.ragged.
-        ragged_attention`); call :meth:`step` within it."""
+        ragged_attention`); call :meth:`step` within it. The scheduled modes' SPS curve is loaded (or profiled)
+        first, with the target's own attention."""
+        if self.drafter is not None and POLICIES[self.mode].needs_calibration and self.costs is None:
+            needed = min(self.max_requests * (self.block_size + 1), MAX_PROFILED_TOKENS)
+            curve = self.sps or self.drafter.sps_curve
+            if curve is None or curve.max_tokens < max(needed, self.max_requests):
+                curve = load_or_profile_sps(self.target, max_tokens=max(needed, self.max_requests))
+                self.drafter.set_sps_curve(curve)
+            self.sps, self.costs = curve, StepCosts(curve)
         return ragged_attention(self.target)
 
     # ---------------------------------------------------------------------------------------------- step
@@ -181,7 +202,11 @@ class ConcurrentDecoder:
         else:
             emitted = self._round(self.active) if self.active else {}
         if self.stats.steps:
-            self.stats.steps[-1].step_ms = 1e3 * (time.perf_counter() - start)
+            step = self.stats.steps[-1]
+            step.step_ms = 1e3 * (time.perf_counter() - start)
+            if self.costs is not None and not step.prefill:
+                self.costs.observe(step.requests, step.step_ms - step.verify_ms - step.draft_ms,
+                                   step.draft_ms if step.drafted else None)
         return emitted
 
     def _prefill(self, requests: list[Request]) -> dict[int, list[int]]:
@@ -203,20 +228,24 @@ class ConcurrentDecoder:
 
     def _round(self, requests: list[Request]) -> dict[int, list[int]]:
         """Phases 2-5: draft, schedule, verify in one forward, accept and roll back per request."""
+        contexts = [r.kv.length for r in requests]
+        context = sum(contexts) // len(contexts)
+        drafting = self.drafter is not None and (self.costs is None or self.gate.should_draft(
+            self.costs, len(requests), context))  # decided from past steps only: lossless
         draft_start = time.perf_counter()
-        blocks = self._draft(requests)
+        blocks = self._draft(requests) if drafting else [None] * len(requests)
         draft_ms = 1e3 * (time.perf_counter() - draft_start)
-        lengths, sps = self._schedule(requests, blocks)
+        lengths = self._schedule(requests, blocks, context)
         segments = [[r.ids[-1]] + (b.tokens[:n].tolist() if b is not None else []) for r, b, n in
                     zip(requests, blocks, lengths)]
-        contexts = [r.kv.length for r in requests]
         total = sum(len(s) for s in segments)
+        predicted = self.costs.predict_ms(total, len(requests), context, drafting) if self.costs is not None else 0.0
         logits, hidden = self._forward(requests, segments, torch.arange(total))
         step = StepStats(len(requests), total, False, list(lengths), draft_ms, self._last_forward_ms,
-                         predicted_ms=1e3 / sps[total - 1] if sps is not None and total <= len(sps) else 0.0)
+                         predicted_ms=predicted, drafted=drafting)
         self.stats.steps.append(step)
-        if sps is not None and self.sps.online:  # the curve learns this B at the requests' mean context
-            self.sps.observe(total, sum(contexts) // len(contexts), step.verify_ms / 1e3)
+        if self.costs is not None and self.sps.online:  # the curve learns this B at the requests' mean context
+            self.sps.observe(total, context, step.verify_ms / 1e3)
         emitted, offset = {}, 0
         for request, block, n, segment, context in zip(requests, blocks, lengths, segments, contexts):
             m = len(segment)
@@ -235,6 +264,8 @@ class ConcurrentDecoder:
                 confidences=block.confidences.tolist() if block is not None and block.confidences is not None else [],
                 draft_ms=draft_ms / len(requests), verify_ms=step.verify_ms))
             emitted[request.index] = out
+        if drafting and self.costs is not None:
+            self.gate.observe(len(requests), sum(len(t) for t in emitted.values()), total)
         return emitted
 
     # ------------------------------------------------------------------------------------------ phases
@@ -256,16 +287,16 @@ class ConcurrentDecoder:
                                               max(gammas), self.do_sample, self.processors, ids))
         return [_cut(next(blocks), g) if g > 0 else None for g in gammas]
 
-    def _schedule(self, requests: list[Request], blocks) -> tuple[list[int], list[float] | None]:
-        """``ℓ_r`` per request by the verification mode, and the SPS row it read (``None`` if none)."""
-        if self.drafter is None:
-            return [0] * len(requests), None
+    def _schedule(self, requests: list[Request], blocks, context: int) -> list[int]:
+        """``ℓ_r`` per request by the verification mode (0 for a request without a block). The scheduled modes run
+        Algorithm 1 across the requests on the step's rates at their mean ``context`` (overhead included)."""
+        if all(b is None for b in blocks):
+            return [0] * len(requests)
         policy = POLICIES[self.mode]
         if not policy.needs_calibration:
             return [0 if b is None else requests[i].policy.prefix_length(
                 b.confidences, self.drafter.calibration, None, b.tokens.numel(), self.threshold)
-                for i, b in enumerate(blocks)], None
-        sps = self._sps_row(requests)
+                for i, b in enumerate(blocks)]
         scheduled, early_stop = [], False
         for request, block in zip(requests, blocks):
             if block is None:  # verifies its anchor only: one token of B that no candidate of its own can join
@@ -274,20 +305,8 @@ class ConcurrentDecoder:
             confidences, stops = request.policy.scheduled_confidences(block.confidences, self.drafter.calibration)
             scheduled.append(confidences)
             early_stop = early_stop or stops
-        lengths = schedule_batch(scheduled, sps, early_stop=early_stop)
-        return [min(n, b.tokens.numel()) if b is not None else 0 for n, b in zip(lengths, blocks)], sps
-
-    def _sps_row(self, requests: list[Request]) -> list[float]:
-        """SPS(B) for ``B = 1 ..`` at the requests' mean context. A curve that covers fewer tokens than there are
-        requests is profiled again, to ``R·(γ+1)`` tokens (at most :data:`MAX_PROFILED_TOKENS`, at least ``R``);
-        a longer one is used as it is (Algorithm 1 admits no candidate past its end)."""
-        if self.sps is None:
-            self.sps = self.drafter.sps_curve
-        if self.sps is None or self.sps.max_tokens < len(requests):
-            needed = min(len(requests) * (self.block_size + 1), MAX_PROFILED_TOKENS)
-            self.sps = load_or_profile_sps(self.target, max_tokens=max(needed, len(requests)))
-            self.drafter.set_sps_curve(self.sps)
-        return self.sps.at(sum(r.kv.length for r in requests) // len(requests))
+        lengths = schedule_batch(scheduled, self.costs.rates(len(requests), context), early_stop=early_stop)
+        return [min(n, b.tokens.numel()) if b is not None else 0 for n, b in zip(lengths, blocks)]
 
     def _forward(self, requests: list[Request], segments: list[list[int]], keep: torch.Tensor):
         """One ragged target forward; returns ``(logits [K, V], hidden_states)`` and times it."""

@@ -103,7 +103,9 @@ class StepStats:
         prefill: whether it prefilled newly admitted requests.
         lengths: ``ℓ_r`` per request (empty for a prefill).
         draft_ms / verify_ms / step_ms: the drafter passes, the target forward, the whole step (ms).
-        predicted_ms: ``1000 / SPS(B)`` from the curve the scheduler read (0 without one or for a prefill).
+        predicted_ms: the step time :class:`~dspark_hf.decoding.batch_costs.StepCosts` predicted before the
+            forward (0 without a cost model, i.e. outside the scheduled modes, and for a prefill).
+        drafted: whether the drafter ran (the scheduled modes skip it when plain decoding is expected to win).
     """
 
     requests: int
@@ -114,6 +116,7 @@ class StepStats:
     verify_ms: float = 0.0
     step_ms: float = 0.0
     predicted_ms: float = 0.0
+    drafted: bool = False
 
 
 @dataclass

@@ -27,48 +27,59 @@ def pad_contexts(contexts: list[DraftContext]):
     return layers, mask
 
 
-def sample_block(drafter, hidden: torch.Tensor, anchor: int, do_sample, logits_processor, prefix_ids, generator,
-                  forced_tokens=None) -> DraftBlock:
-    """The heads of one block, left to right (eqs. 4-7): ``hidden`` ``[γ, d]`` -> :class:`DraftBlock`."""
-    device = hidden.device
-    gamma = hidden.shape[0]
-    forced = forced_tokens.reshape(-1).to(device) if forced_tokens is not None else None
+def sample_blocks(drafter, hidden: torch.Tensor, anchors: torch.Tensor, do_sample=False, logits_processor=None,
+                  prefix_ids: list[torch.Tensor] | None = None, generator=None,
+                  forced_tokens: torch.Tensor | None = None) -> list[DraftBlock]:
+    """The heads of ``R`` blocks, left to right and all rows at once (eqs. 4-7).
+
+    Args:
+        hidden: ``[R, γ, d]`` backbone states; anchors: ``[R]`` anchor ids.
+        do_sample / logits_processor / generator: as :meth:`~dspark_hf.modeling.modeling_dspark.DSparkDrafter.draft`.
+        prefix_ids: each row's ``[1, L_r]`` ids (read with ``logits_processor``; default: the anchor alone).
+        forced_tokens: ``[k]`` ids forced as the first drafts (``R = 1`` only; prompt lookup).
+
+    Returns:
+        ``R`` :class:`DraftBlock` (``tokens [γ]``, ``logits [γ, V]`` or ``None``, ``confidences [γ]`` or ``None``).
+    """
+    rows, gamma = hidden.shape[:2]
+    forced = forced_tokens.reshape(-1).to(hidden.device) if forced_tokens is not None else None
     n_forced = forced.numel() if forced is not None else 0
-    anchor_t = torch.tensor([anchor], device=device)
-    base = drafter.base_logits(hidden)  # [γ, V']
-    state = drafter.sequential.initial_state(hidden[0]) if isinstance(drafter.sequential, RNNHead) else None
-    ids = prefix_ids if prefix_ids is not None else anchor_t[None]
+    base = drafter.base_logits(hidden)  # [R, γ, V']
+    state = drafter.sequential.initial_state(hidden[:, 0]) if isinstance(drafter.sequential, RNNHead) else None
     processors = logits_processor if logits_processor is not None and len(logits_processor) > 0 else None
+    if processors is not None:
+        ids = list(prefix_ids) if prefix_ids is not None else [a.view(1, 1) for a in anchors]
     full_vocab = do_sample or processors is not None
-    prev, tokens, logits, confs = anchor_t[0], [], [], []
+    vocab = drafter.config.vocab_size
+    prev, tokens, logits, confs = anchors, [], [], []
     for k in range(gamma):
-        emb = drafter.token_embedding(prev) if drafter.token_table is not None else None
-        row = base[k]
+        emb = drafter.token_embedding(prev) if drafter.token_table is not None else None  # [R, r]
+        row = base[:, k]  # [R, V']
         if isinstance(drafter.sequential, MarkovHead):
             row = row + drafter.sequential(emb)
         elif isinstance(drafter.sequential, RNNHead):
-            state, bias = drafter.sequential(state, emb, hidden[k])
+            state, bias = drafter.sequential(state, emb, hidden[:, k])
             row = row + bias
         if k < n_forced:
-            prev = forced[k]
+            prev = forced[k].expand(rows)
             if full_vocab:
-                logits.append(F.one_hot(prev, drafter.config.vocab_size).float().log())
+                logits.append(F.one_hot(prev, vocab).float().log())
         elif full_vocab:  # float32 in every dtype: the q sampled from is softmax of the very row returned
-            full = row.new_full((drafter.config.vocab_size,), float("-inf"), dtype=torch.float32)
-            full[drafter.draft_vocab] = row.float()
+            full = row.new_full((rows, vocab), float("-inf"), dtype=torch.float32)  # [R, V]
+            full[:, drafter.draft_vocab] = row.float()
             if processors is not None:
-                full = processors(ids, full[None])[0]
-            prev = torch.multinomial(full.softmax(-1), 1, generator=generator)[0] if do_sample else full.argmax()
+                full = torch.cat([processors(ids[r], full[r:r + 1]) for r in range(rows)])
+            prev = torch.multinomial(full.softmax(-1), 1, generator=generator)[:, 0] if do_sample else full.argmax(-1)
             logits.append(full)
         else:
-            prev = drafter.draft_vocab[row.argmax()]
+            prev = drafter.draft_vocab[row.argmax(-1)]
         if drafter.confidence is not None:
-            confs.append(torch.sigmoid(drafter.confidence(hidden[k], emb)))
+            confs.append(torch.sigmoid(drafter.confidence(hidden[:, k], emb)))  # [R]
         tokens.append(prev)
         if processors is not None:
-            ids = torch.cat([ids, prev.view(1, 1)], dim=-1)
-    return DraftBlock(
-        tokens=torch.stack(tokens),
-        logits=torch.stack(logits) if logits else None,
-        confidences=torch.stack(confs) if confs else None,
-    )
+            ids = [torch.cat([ids[r], prev[r].view(1, 1)], dim=-1) for r in range(rows)]
+    tokens = torch.stack(tokens, dim=1)  # [R, γ]
+    logits = torch.stack(logits, dim=1) if logits else None  # [R, γ, V]
+    confs = torch.stack(confs, dim=1) if confs else None  # [R, γ]
+    return [DraftBlock(tokens=tokens[r], logits=logits[r] if logits is not None else None,
+                       confidences=confs[r] if confs is not None else None) for r in range(rows)]

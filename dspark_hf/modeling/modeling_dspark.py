@@ -22,7 +22,7 @@ from transformers.utils.hub import cached_file
 
 from .backbone import DSparkLayer, _llama_config
 from .configuration_dspark import DSparkConfig
-from .drafting import pad_contexts, sample_block
+from .drafting import pad_contexts, sample_blocks
 from .heads import ConfidenceHead, MarkovHead, RNNHead
 from .outputs import DraftBlock, DraftContext, DraftOutput
 from .target_checks import check_row_independent, lm_head_weight
@@ -368,8 +368,9 @@ class DSparkDrafter(PreTrainedModel):
                              f"block size {gamma}")
         anchor_t = torch.tensor([anchor], device=device)
         positions = torch.arange(context.length, context.length + gamma, device=device)[None]
-        hidden = self.backbone(self.block_embeddings(anchor_t, gamma), positions, context.layers)[0]  # [γ, d]
-        return sample_block(self, hidden, anchor, do_sample, logits_processor, prefix_ids, generator, forced_tokens)
+        hidden = self.backbone(self.block_embeddings(anchor_t, gamma), positions, context.layers)  # [1, γ, d]
+        return sample_blocks(self, hidden, anchor_t, do_sample, logits_processor,
+                             [prefix_ids] if prefix_ids is not None else None, generator, forced_tokens)[0]
 
     @torch.no_grad()
     def draft_many(self, contexts: list[DraftContext], anchors: list[int], block_size: int | None = None,
@@ -392,9 +393,7 @@ class DSparkDrafter(PreTrainedModel):
         anchor_t = torch.tensor(anchors, device=device)
         positions = torch.stack([torch.arange(c.length, c.length + gamma, device=device) for c in contexts])
         hidden = self.backbone(self.block_embeddings(anchor_t, gamma), positions, layers, context_mask=mask)
-        return [sample_block(self, hidden[r], anchors[r], do_sample, logits_processor,
-                                   prefix_ids[r] if prefix_ids is not None else None, generator)
-                for r in range(len(contexts))]
+        return sample_blocks(self, hidden, anchor_t, do_sample, logits_processor, prefix_ids, generator)
 
 
 
