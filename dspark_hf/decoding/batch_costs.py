@@ -80,13 +80,14 @@ class StepCosts:
 
 @dataclass
 class DraftGate:
-    """Whether the next step drafts, from what past steps did.
+    """How many requests the next step drafts for, from what past steps did: all of them, one (a probe) or none.
 
     ``Θ_draft = R · t̄ / time(R · b̄, R, drafts)`` with ``t̄`` the tokens emitted and ``b̄`` the tokens verified per
-    request in drafting steps (running estimates), against ``Θ_plain = R / time(R, R, no drafts)``. A step drafts
-    while no estimate exists or while ``Θ_draft > (1 + MARGIN) · Θ_plain``; otherwise the step is plain decoding,
-    and every ``interval`` plain steps one probe drafts to refresh the estimates (``interval`` doubles up to
-    :data:`MAX_PROBE_INTERVAL` while probes lose, and returns to 1 when drafting wins).
+    drafting request (running estimates), against ``Θ_plain = R / time(R, R, no drafts)``. All requests draft while
+    no estimate exists or while ``Θ_draft > (1 + MARGIN) · Θ_plain``; otherwise the step is plain decoding, and
+    every ``interval`` plain steps one request (in turn) drafts as a probe that refreshes the estimates at a
+    ``1/R`` of a full drafter pass (``interval`` doubles up to :data:`MAX_PROBE_INTERVAL` while drafting loses,
+    and returns to 1 when it wins).
 
     Attributes:
         tokens_per_request / verified_per_request: ``t̄`` and ``b̄`` (``None`` before the first drafting step).
@@ -97,24 +98,25 @@ class DraftGate:
     interval: int = 1
     plain_steps: int = 0
 
-    def should_draft(self, costs: StepCosts, requests: int, context: int) -> bool:
+    def drafting_requests(self, costs: StepCosts, requests: int, context: int) -> int:
+        """``requests``, 1 (a probe) or 0."""
         if self.tokens_per_request is None or requests not in costs.draft_ms:
-            return True
+            return requests
         verified = max(requests, round(requests * self.verified_per_request))
         drafting = requests * self.tokens_per_request / costs.predict_ms(verified, requests, context, True)
         plain = requests / costs.predict_ms(requests, requests, context, False)
         if drafting > (1 + MARGIN) * plain:
             self.interval, self.plain_steps = 1, 0
-            return True
+            return requests
         self.plain_steps += 1
-        if self.plain_steps >= self.interval:  # a probe
+        if self.plain_steps >= self.interval:
             self.plain_steps, self.interval = 0, min(2 * self.interval, MAX_PROBE_INTERVAL)
-            return True
-        return False
+            return 1
+        return 0
 
-    def observe(self, requests: int, emitted: int, verified: int) -> None:
-        """A drafting step of ``requests`` emitted ``emitted`` tokens and verified ``verified``."""
-        t, b = emitted / requests, verified / requests
+    def observe(self, drafted: int, emitted: int, verified: int) -> None:
+        """A step where ``drafted`` requests drafted; they emitted ``emitted`` tokens and verified ``verified``."""
+        t, b = emitted / drafted, verified / drafted
         if self.tokens_per_request is None:
             self.tokens_per_request, self.verified_per_request = t, b
         else:

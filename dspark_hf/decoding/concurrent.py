@@ -131,6 +131,7 @@ class ConcurrentDecoder:
         self.sps = sps
         self.costs: StepCosts | None = None  # the scheduled modes' cost model, made by running()
         self.gate = DraftGate()
+        self._probes = 0  # probes so far (each drafts for the next request in turn)
         self.requests: list[Request] = []
         self.stats = BatchStats()
         text = target.config.get_text_config(decoder=True)
@@ -204,9 +205,9 @@ class ConcurrentDecoder:
         if self.stats.steps:
             step = self.stats.steps[-1]
             step.step_ms = 1e3 * (time.perf_counter() - start)
-            if self.costs is not None and not step.prefill:
+            if self.costs is not None and not step.prefill:  # a probe's pass is not the pass for all requests
                 self.costs.observe(step.requests, step.step_ms - step.verify_ms - step.draft_ms,
-                                   step.draft_ms if step.drafted else None)
+                                   step.draft_ms if step.drafted == step.requests else None)
         return emitted
 
     def _prefill(self, requests: list[Request]) -> dict[int, list[int]]:
@@ -230,16 +231,20 @@ class ConcurrentDecoder:
         """Phases 2-5: draft, schedule, verify in one forward, accept and roll back per request."""
         contexts = [r.kv.length for r in requests]
         context = sum(contexts) // len(contexts)
-        drafting = self.drafter is not None and (self.costs is None or self.gate.should_draft(
-            self.costs, len(requests), context))  # decided from past steps only: lossless
+        drafting = len(requests) if self.drafter is not None else 0
+        if self.costs is not None:  # decided from past steps only: lossless
+            drafting = self.gate.drafting_requests(self.costs, len(requests), context)
+        chosen = requests if drafting == len(requests) else [requests[self._probes % len(requests)]] * drafting
+        self._probes += drafting == 1 and len(requests) > 1
         draft_start = time.perf_counter()
-        blocks = self._draft(requests) if drafting else [None] * len(requests)
+        drafted = dict(zip(map(id, chosen), self._draft(chosen))) if chosen else {}
+        blocks = [drafted.get(id(r)) for r in requests]
         draft_ms = 1e3 * (time.perf_counter() - draft_start)
         lengths = self._schedule(requests, blocks, context)
         segments = [[r.ids[-1]] + (b.tokens[:n].tolist() if b is not None else []) for r, b, n in
                     zip(requests, blocks, lengths)]
         total = sum(len(s) for s in segments)
-        predicted = self.costs.predict_ms(total, len(requests), context, drafting) if self.costs is not None else 0.0
+        predicted = self.costs.predict_ms(total, len(requests), context, drafting > 0) if self.costs is not None else 0.0
         logits, hidden = self._forward(requests, segments, torch.arange(total))
         step = StepStats(len(requests), total, False, list(lengths), draft_ms, self._last_forward_ms,
                          predicted_ms=predicted, drafted=drafting)
@@ -264,8 +269,9 @@ class ConcurrentDecoder:
                 confidences=block.confidences.tolist() if block is not None and block.confidences is not None else [],
                 draft_ms=draft_ms / len(requests), verify_ms=step.verify_ms))
             emitted[request.index] = out
-        if drafting and self.costs is not None:
-            self.gate.observe(len(requests), sum(len(t) for t in emitted.values()), total)
+        if drafting and self.costs is not None:  # what the drafting requests got
+            self.gate.observe(drafting, sum(len(emitted[r.index]) for r, b in zip(requests, blocks) if b is not None)
+                              or drafting, sum(1 + n for n, b in zip(lengths, blocks) if b is not None) or drafting)
         return emitted
 
     # ------------------------------------------------------------------------------------------ phases

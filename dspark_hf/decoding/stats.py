@@ -105,7 +105,8 @@ class StepStats:
         draft_ms / verify_ms / step_ms: the drafter passes, the target forward, the whole step (ms).
         predicted_ms: the step time :class:`~dspark_hf.decoding.batch_costs.StepCosts` predicted before the
             forward (0 without a cost model, i.e. outside the scheduled modes, and for a prefill).
-        drafted: whether the drafter ran (the scheduled modes skip it when plain decoding is expected to win).
+        drafted: requests the drafter ran for (the scheduled modes draft for none, or one as a probe, when plain
+            decoding is expected to win; :class:`~dspark_hf.decoding.batch_costs.DraftGate`).
     """
 
     requests: int
@@ -116,7 +117,7 @@ class StepStats:
     verify_ms: float = 0.0
     step_ms: float = 0.0
     predicted_ms: float = 0.0
-    drafted: bool = False
+    drafted: int = 0
 
 
 @dataclass
