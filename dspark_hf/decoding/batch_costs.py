@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ONLINE_WEIGHT = 0.2  # weight of a new observation in the running estimates
-MARGIN = 0.03  # a drafting step must promise this much more throughput than a plain one
+MARGIN = 0.10  # a drafting step must promise this much more throughput than a plain one (estimates are noisy)
 MAX_PROBE_INTERVAL = 64  # plain steps between two probes that draft, at most (the interval doubles up to it)
 
 

@@ -51,6 +51,7 @@ class Request:
         max_new_tokens: its token budget.
         stats: per-round statistics (:class:`GenerationStats`; ``new_tokens`` counts its tokens).
         done: finished (EOS, budget or stop); its caches are released.
+        added_s / finished_s: ``time.perf_counter()`` when it was added and when it finished (``None`` before).
     """
 
     def __init__(self, index: int, prompt: Sequence[int], max_new_tokens: int, num_layers: int, decoder):
@@ -64,6 +65,7 @@ class Request:
         self.pending: list[torch.Tensor] = []  # target features [1, n, m·d] not yet in the drafter's context
         self.stats = GenerationStats(verification=decoder.mode if decoder.drafter is not None else "plain")
         self.done = False
+        self.added_s, self.finished_s = time.perf_counter(), None
 
     @property
     def generated(self) -> list[int]:
@@ -77,6 +79,7 @@ class Request:
     def release(self) -> None:
         """Free its KV cache and drafter context (a finished request costs nothing)."""
         self.kv, self.context, self.pending, self.done = None, None, [], True
+        self.finished_s = time.perf_counter()
 
 
 class ConcurrentDecoder:
@@ -169,6 +172,7 @@ class ConcurrentDecoder:
         request = Request(len(self.requests), prompt, int(max_new_tokens), self.num_layers, self)
         self.requests.append(request)
         self.stats.rows.append(request.stats)
+        self.stats.request_s.append(0.0)
         return request
 
     @property
@@ -339,16 +343,21 @@ class ConcurrentDecoder:
 
     def _emit(self, request: Request, tokens: list[int]) -> list[int]:
         """Append ``tokens`` up to the budget, the first EOS or the first stop; finish and free the request there."""
-        out = []
+        out, stopped = [], False
         for token in tokens[: request.room]:
             request.ids.append(token)
             out.append(token)
             if token in self.eos or (self.stop is not None and self.stop(request, request.ids)):
-                request.release()
-                return out
-        if request.room <= 0:
-            request.release()
+                stopped = True
+                break
+        if stopped or request.room <= 0:
+            self._finish(request)
         return out
+
+    def _finish(self, request: Request) -> None:
+        """Release a finished request and record its time in flight."""
+        request.release()
+        self.stats.request_s[request.index] = request.finished_s - request.added_s
 
 
 def _cut(block: DraftBlock, gamma: int) -> DraftBlock:

@@ -123,10 +123,12 @@ class StepStats:
 @dataclass
 class BatchStats:
     """What a batched or concurrent call records (:mod:`dspark_hf.decoding.concurrent`): one :class:`GenerationStats` per request (``rows[i]``, also
-    ``stats[i]``) and one :class:`StepStats` per target forward."""
+    ``stats[i]``), one :class:`StepStats` per target forward, and each request's seconds from its admission to its
+    last token (``request_s[i]``; 0 while it runs)."""
 
     rows: list[GenerationStats] = field(default_factory=list)
     steps: list[StepStats] = field(default_factory=list)
+    request_s: list[float] = field(default_factory=list)
 
     def __getitem__(self, index: int) -> GenerationStats:
         return self.rows[index]
