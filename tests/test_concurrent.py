@@ -12,6 +12,8 @@ from test_generation import SV, chi_square, exact_laws, sampling_drafter
 from transformers.generation.streamers import BaseStreamer
 
 from dspark_hf import ConcurrentDecoder, SequentialTemperatureScaling, generate_concurrent
+from dspark_hf.bench.concurrency import run_concurrency, write
+from dspark_hf.decoding.batch_costs import DraftGate, StepCosts
 from dspark_hf.decoding.ragged import RaggedBatch, RequestKV, ragged_attention, ragged_forward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -261,3 +263,38 @@ def test_engine_rejects_bad_requests(target, drafter):
     with pytest.raises(ValueError, match="calibrated"):
         ConcurrentDecoder(target, cycle_drafter(target), verification="scheduler")
     assert CYCLE_VOCAB == target.config.vocab_size
+
+
+# --------------------------------------------------------------------------------- cost model and gate
+def test_step_costs_predict_by_tokens_and_requests():
+    costs = StepCosts(tiny_sps_curve())  # 65 ms for B = 1, 110 ms for B = 3, 126 ms for B = 6 ... (conftest.CPU_MS)
+    costs.observe(4, overhead_ms=5.0, draft_ms=20.0)
+    costs.observe(8, overhead_ms=8.0)
+    assert costs.predict_ms(6, 4, 0, drafts=True) == pytest.approx(126 + 5 + 20)
+    assert costs.predict_ms(4, 4, 0, drafts=False) == pytest.approx(115 + 5)
+    assert costs.predict_ms(6, 6, 0, drafts=False) == pytest.approx(126 + 6.5)  # overhead between R = 4 and 8
+    costs.observe(4, overhead_ms=10.0)  # running estimate: 0.8 · 5 + 0.2 · 10
+    assert costs.overhead_ms[4] == pytest.approx(6.0)
+    assert costs.rates(4, 0)[0] == pytest.approx(1000 / (65 + 6))
+
+
+def test_draft_gate_stops_drafting_that_loses_and_probes_with_back_off():
+    costs = StepCosts(tiny_sps_curve())
+    costs.observe(4, overhead_ms=5.0, draft_ms=20.0)
+    gate = DraftGate()
+    assert gate.drafting_requests(costs, 4, 0) == 4  # nothing known yet: draft
+    gate.observe(4, emitted=int(4 * 1.25), verified=8)  # 5 tokens for B = 8: 5 / 151 ms < 1.1 · 4 / 120 ms
+    decisions = [gate.drafting_requests(costs, 4, 0) for _ in range(8)]
+    assert decisions == [1, 0, 1, 0, 0, 0, 1, 0]  # probes of one request, the gap doubling
+    gate.tokens_per_request = 2.0  # 8 tokens for B = 8: 8 / 151 ms > 1.1 · 4 / 120 ms
+    assert gate.drafting_requests(costs, 4, 0) == 4 and gate.interval == 1
+
+
+def test_concurrency_bench_rows(target, drafter, tmp_path):
+    result = run_concurrency(target, drafter, [[3, 5, 7], [9]], [1, 2], max_new_tokens=4, gamma=4,
+                             arms=("plain", "fixed"), log=lambda line: None)
+    assert [(r["concurrency"], r["arm"]) for r in result["rows"]] == [(1, "plain"), (1, "fixed"), (2, "plain"),
+                                                                         (2, "fixed")]
+    assert all(r["mismatches"] == 0 and r["tokens"] == 4 * r["requests"] for r in result["rows"])
+    assert {p.name for p in write(result, tmp_path)} == {"concurrency.json", "concurrency.md",
+                                                         "concurrency_frontier.png", "concurrency_budget.png"}
