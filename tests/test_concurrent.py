@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import CYCLE_INV, CYCLE_VOCAB, cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
 from test_generation import SV, chi_square, exact_laws, sampling_drafter
+from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from dspark_hf import ConcurrentDecoder, SequentialTemperatureScaling, generate_concurrent
@@ -85,6 +86,36 @@ def test_rows_stop_at_eos_in_the_middle_of_a_block(target, drafter):
     assert min(lengths) < MAX_NEW and len(set(lengths)) > 1  # rows finished at different steps
     stopped = drafter.last_stats[0].rounds[-1]
     assert stopped.scheduled > stopped.accepted  # its last block went past the EOS
+
+
+class StopAfter(StoppingCriteria):
+    """A custom criterion: a row stops once it emits ``token`` after the prompt width."""
+
+    def __init__(self, token, width):
+        self.token, self.width = token, width
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids[:, self.width:] == self.token).any(-1)
+
+
+def test_processors_and_custom_stops_see_rows_as_batched_plain_generate(target, drafter):
+    """A repetition penalty (per-row state: transformers' ``prompt_ignore_length``) and a custom stopping criterion act
+    on each left-padded row as in batched plain generate, the reference here; a row that meets the criterion ends
+    there (plain generate without an EOS keeps writing into a stopped row; it is cut at the stop for comparison)."""
+    ids, mask = left_padded(PROMPTS)
+    width = ids.shape[1]
+    stop_token = plain(target, PROMPTS[2])[4]
+    settings = dict(max_new_tokens=MAX_NEW, do_sample=False, repetition_penalty=1.3, pad_token_id=0,
+                    stopping_criteria=StoppingCriteriaList([StopAfter(stop_token, width)]))
+    reference = target.generate(input_ids=ids, attention_mask=mask, **settings)[:, width:].tolist()
+    out = target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, dspark_verification="fixed",
+                          **settings)[:, width:].tolist()
+    stopped = 0
+    for row, expected in zip(out, reference):
+        if stop_token in expected:
+            expected, stopped = expected[: expected.index(stop_token) + 1], stopped + 1
+        assert row[: len(expected)] == expected and not any(row[len(expected):])
+    assert stopped >= 2  # two rows stop early, two run to max_new_tokens
 
 
 def test_a_row_whose_drafts_are_always_rejected(target, drafter, monkeypatch):

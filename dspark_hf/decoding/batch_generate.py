@@ -114,8 +114,7 @@ def generate_batch(target, drafter: DSparkDrafter, input_ids: torch.Tensor, gene
     per_token = [c for c in stopping_criteria if not isinstance(c, ROUND_EXACT_CRITERIA)]
 
     def stop(request: Request, ids: list[int]) -> bool:  # custom criteria see the row as plain generate shows it
-        padded = input_ids[request.index, : width - request.prompt_length].tolist() + ids
-        row = torch.tensor([padded], device=input_ids.device)
+        row = torch.tensor([request.padding + ids], device=input_ids.device)
         return any(bool(c(row, None).any()) for c in per_token)
 
     eos = generation_config._eos_token_tensor
@@ -125,8 +124,9 @@ def generate_batch(target, drafter: DSparkDrafter, input_ids: torch.Tensor, gene
         logits_processor=logits_processor, eos_token_ids=eos.reshape(-1).tolist() if eos is not None else (),
         stop=stop if per_token else None, max_requests=len(rows))
     drafter.last_stats = decoder.stats
-    for row in rows:
-        decoder.add(row, generation_config.max_length - width)
+    for i, row in enumerate(rows):  # processors and stop checks see each row as batched plain generate shows it
+        decoder.add(row, generation_config.max_length - width, padding=input_ids[i, : width - len(row)].tolist(),
+                    batch_row=(i, len(rows)))
     with decoder.running():
         while decoder.active:
             decoder.step()

@@ -54,15 +54,18 @@ class Request:
         added_s / finished_s: ``time.perf_counter()`` when it was added and when it finished (``None`` before).
     """
 
-    def __init__(self, index: int, prompt: Sequence[int], max_new_tokens: int, num_layers: int, decoder):
+    def __init__(self, index: int, prompt: Sequence[int], max_new_tokens: int, num_layers: int, decoder,
+                 padding: Sequence[int] = ()):
         self.index = index
         self.ids = [int(t) for t in prompt]
         self.prompt_length = len(self.ids)
+        self.padding = [int(t) for t in padding]  # what logits processors and stop checks see before the prompt
         self.max_new_tokens = max_new_tokens
         self.kv: RequestKV | None = RequestKV(num_layers)
         self.context = decoder.drafter.new_context() if decoder.drafter is not None else None
         self.policy = POLICIES[decoder.mode]() if decoder.drafter is not None else None
         self.pending: list[torch.Tensor] = []  # target features [1, n, m·d] not yet in the drafter's context
+        self.processors = None  # its logits processors (set by ConcurrentDecoder.add)
         self.stats = GenerationStats(verification=decoder.mode if decoder.drafter is not None else "plain")
         self.done = False
         self.added_s, self.finished_s = time.perf_counter(), None
@@ -93,7 +96,7 @@ class ConcurrentDecoder:
             (defaults: the drafter's config).
         do_sample: sampling (exact in law per request) or greedy.
         logits_processor: a ``LogitsProcessorList`` applied per request and position (stateless processors only,
-            as for one request), or ``None``.
+            as for one request) to the request's ids after its ``padding`` (:meth:`add`), or ``None``.
         eos_token_ids: ids that end a request (kept in its output).
         stop: ``(request, ids) -> bool`` called after each emitted token (stop strings, custom criteria); the
             request ends there.
@@ -157,8 +160,13 @@ class ConcurrentDecoder:
             raise ValueError(f"threshold must be a probability in [0, 1], got {self.threshold}.")
 
     # ------------------------------------------------------------------------------------------ requests
-    def add(self, prompt: Sequence[int], max_new_tokens: int) -> Request:
+    def add(self, prompt: Sequence[int], max_new_tokens: int, padding: Sequence[int] = (),
+            batch_row: tuple[int, int] | None = None) -> Request:
         """Queue a request (prefilled at the next :meth:`step`).
+
+        ``padding``: ids that logits processors see before the prompt (a batch row's left padding, as batched plain
+        ``generate`` shows rows); never run by the target. ``batch_row``: ``(row, rows)`` when the processors were
+        built for a batch of ``rows`` (``generate``'s): the request is row ``row`` of it (:class:`RowOfBatch`).
 
         Raises:
             ValueError: an empty prompt, ``max_new_tokens < 1``, or ``max_requests`` requests already in flight.
@@ -169,7 +177,9 @@ class ConcurrentDecoder:
             raise ValueError("a request needs at least one prompt token.")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
-        request = Request(len(self.requests), prompt, int(max_new_tokens), self.num_layers, self)
+        request = Request(len(self.requests), prompt, int(max_new_tokens), self.num_layers, self, padding)
+        if self.processors is not None:
+            request.processors = RowOfBatch(self.processors, *batch_row) if batch_row else self.processors
         self.requests.append(request)
         self.stats.rows.append(request.stats)
         self.stats.request_s.append(0.0)
@@ -225,7 +235,7 @@ class ConcurrentDecoder:
             n = len(segments[i])
             self._keep_features(request, hidden, offset, n)
             offset += n
-            row = self._process(request.ids, logits[i:i + 1])
+            row = self._process(request, request.padding + request.ids, logits[i:i + 1])
             token = accept_drafts(torch.tensor([request.ids]), torch.empty(0, dtype=torch.long), None, row,
                                   self.do_sample)
             emitted[request.index] = self._emit(request, token)
@@ -258,7 +268,8 @@ class ConcurrentDecoder:
         emitted, offset = {}, 0
         for request, block, n, segment, context in zip(requests, blocks, lengths, segments, contexts):
             m = len(segment)
-            rows = self._process(request.ids + segment[1:], logits[offset:offset + m], start=len(request.ids))
+            rows = self._process(request, request.padding + request.ids + segment[1:], logits[offset:offset + m],
+                                 start=len(request.padding) + len(request.ids))
             drafts = torch.tensor(segment[1:], dtype=torch.long)
             draft_logits = block.logits[:n] if block is not None and block.logits is not None else None
             tokens = accept_drafts(torch.tensor([request.ids]), drafts, draft_logits, rows, self.do_sample)
@@ -292,9 +303,10 @@ class ConcurrentDecoder:
                 features = torch.cat(request.pending, dim=1) if len(request.pending) > 1 else request.pending[0]
                 self.drafter.extend_context(request.context, features.to(self.drafter.context_proj.weight.device))
                 request.pending = []
-        ids = [torch.tensor([r.ids]) for r in drafting] if self.processors is not None else None
+        ids = [torch.tensor([r.padding + r.ids]) for r in drafting] if self.processors is not None else None
+        processors = [r.processors for r in drafting] if self.processors is not None else None
         blocks = iter(self.drafter.draft_many([r.context for r in drafting], [r.ids[-1] for r in drafting],
-                                              max(gammas), self.do_sample, self.processors, ids))
+                                              max(gammas), self.do_sample, processors, ids))
         return [_cut(next(blocks), g) if g > 0 else None for g in gammas]
 
     def _schedule(self, requests: list[Request], blocks, context: int) -> list[int]:
@@ -328,13 +340,13 @@ class ConcurrentDecoder:
         self._last_forward_ms = 1e3 * (time.perf_counter() - start)
         return logits, hidden
 
-    def _process(self, ids: list[int], logits: torch.Tensor, start: int | None = None) -> torch.Tensor:
-        """Apply the logits processors to ``logits [m, V]``; row ``i`` follows ``ids[:start + i]``."""
-        if self.processors is None:
+    def _process(self, request: Request, ids: list[int], logits: torch.Tensor, start: int | None = None):
+        """Apply the request's logits processors to ``logits [m, V]``; row ``i`` follows ``ids[:start + i]``."""
+        if request.processors is None:
             return logits
         start = len(ids) if start is None else start
         prefix = torch.tensor([ids], device=logits.device)
-        return torch.cat([self.processors(prefix[:, :start + i], logits[i:i + 1]) for i in range(logits.shape[0])])
+        return torch.cat([request.processors(prefix[:, :start + i], logits[i:i + 1]) for i in range(logits.shape[0])])
 
     def _keep_features(self, request: Request, hidden, offset: int, n: int) -> None:
         """Keep the target features ``[1, n, m·d]`` of the segment's first ``n`` rows for the drafter's context."""
@@ -358,6 +370,25 @@ class ConcurrentDecoder:
         """Release a finished request and record its time in flight."""
         request.release()
         self.stats.request_s[request.index] = request.finished_s - request.added_s
+
+
+class RowOfBatch:
+    """A batch's logits processors seen from one of its rows. Some keep per-row state shaped by the batch
+    (transformers' repetition penalty keeps a ``prompt_ignore_length`` per row), so row ``row`` is run as row
+    ``row`` of a batch of ``rows`` copies of itself and only that row is returned.
+
+    Called as a processor: ``(input_ids [1, L], scores [1, V]) -> [1, V]``.
+    """
+
+    def __init__(self, processors, row: int, rows: int):
+        self.processors, self.row, self.rows = processors, row, rows
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        batch = self.processors(input_ids.expand(self.rows, -1), scores.expand(self.rows, -1).clone())
+        return batch[self.row:self.row + 1]
+
+    def __len__(self) -> int:
+        return len(self.processors)
 
 
 def _cut(block: DraftBlock, gamma: int) -> DraftBlock:

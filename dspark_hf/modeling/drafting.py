@@ -34,7 +34,8 @@ def sample_blocks(drafter, hidden: torch.Tensor, anchors: torch.Tensor, do_sampl
 
     Args:
         hidden: ``[R, γ, d]`` backbone states; anchors: ``[R]`` anchor ids.
-        do_sample / logits_processor / generator: as :meth:`~dspark_hf.modeling.modeling_dspark.DSparkDrafter.draft`.
+        do_sample / generator: as :meth:`~dspark_hf.modeling.modeling_dspark.DSparkDrafter.draft`.
+        logits_processor: as ``draft`` (one for all rows), or a ``list`` of one callable per row.
         prefix_ids: each row's ``[1, L_r]`` ids (read with ``logits_processor``; default: the anchor alone).
         forced_tokens: ``[k]`` ids forced as the first drafts (``R = 1`` only; prompt lookup).
 
@@ -48,6 +49,7 @@ def sample_blocks(drafter, hidden: torch.Tensor, anchors: torch.Tensor, do_sampl
     state = drafter.sequential.initial_state(hidden[:, 0]) if isinstance(drafter.sequential, RNNHead) else None
     processors = logits_processor if logits_processor is not None and len(logits_processor) > 0 else None
     if processors is not None:
+        processors = processors if type(processors) is list else [processors] * rows  # one per row
         ids = list(prefix_ids) if prefix_ids is not None else [a.view(1, 1) for a in anchors]
     full_vocab = do_sample or processors is not None
     vocab = drafter.config.vocab_size
@@ -68,7 +70,7 @@ def sample_blocks(drafter, hidden: torch.Tensor, anchors: torch.Tensor, do_sampl
             full = row.new_full((rows, vocab), float("-inf"), dtype=torch.float32)  # [R, V]
             full[:, drafter.draft_vocab] = row.float()
             if processors is not None:
-                full = torch.cat([processors(ids[r], full[r:r + 1]) for r in range(rows)])
+                full = torch.cat([processors[r](ids[r], full[r:r + 1]) for r in range(rows)])
             prev = torch.multinomial(full.softmax(-1), 1, generator=generator)[:, 0] if do_sample else full.argmax(-1)
             logits.append(full)
         else:
