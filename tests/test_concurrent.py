@@ -301,11 +301,12 @@ def test_step_costs_predict_by_tokens_and_requests():
     costs = StepCosts(tiny_sps_curve())  # 65 ms for B = 1, 110 ms for B = 3, 126 ms for B = 6 ... (conftest.CPU_MS)
     costs.observe(4, overhead_ms=5.0, draft_ms=20.0)
     costs.observe(8, overhead_ms=8.0)
-    assert costs.predict_ms(6, 4, 0, drafts=True) == pytest.approx(126 + 5 + 20)
-    assert costs.predict_ms(4, 4, 0, drafts=False) == pytest.approx(115 + 5)
-    assert costs.predict_ms(6, 6, 0, drafts=False) == pytest.approx(126 + 6.5)  # overhead between R = 4 and 8
+    assert costs.predict_ms(6, 4, 0, drafting=4) == pytest.approx(126 + 5 + 20)
+    assert costs.predict_ms(4, 4, 0) == pytest.approx(115 + 5)
+    assert costs.predict_ms(6, 6, 0) == pytest.approx(126 + 6.5)  # overhead between R = 4 and 8
     costs.observe(4, overhead_ms=10.0)  # running estimate: 0.8 · 5 + 0.2 · 10
     assert costs.overhead_ms[4] == pytest.approx(6.0)
+    assert costs.predict_ms(6, 4, 0, drafting=1) == pytest.approx(126 + 6 + 20 / 4)  # a probe: 1/R of a pass
     assert costs.rates(4, 0)[0] == pytest.approx(1000 / (65 + 6))
 
 

@@ -66,9 +66,10 @@ class StepCosts:
             return 1e3 / row[tokens - 1]
         return 1e3 / row[-1] * tokens / len(row)
 
-    def predict_ms(self, tokens: int, requests: int, context: int, drafts: bool) -> float:
-        """Predicted wall time of a step verifying ``tokens`` for ``requests`` (ms)."""
-        draft = _interpolate(self.draft_ms, requests) if drafts else 0.0
+    def predict_ms(self, tokens: int, requests: int, context: int, drafting: int = 0) -> float:
+        """Predicted wall time of a step verifying ``tokens`` for ``requests``, ``drafting`` of which drafted (ms;
+        the drafter's pass counted as its share ``drafting / requests`` of a pass for all)."""
+        draft = _interpolate(self.draft_ms, requests) * drafting / requests
         return self.verify_ms(tokens, context) + _interpolate(self.overhead_ms, requests) + draft
 
     def rates(self, requests: int, context: int) -> list[float]:
@@ -103,8 +104,8 @@ class DraftGate:
         if self.tokens_per_request is None or requests not in costs.draft_ms:
             return requests
         verified = max(requests, round(requests * self.verified_per_request))
-        drafting = requests * self.tokens_per_request / costs.predict_ms(verified, requests, context, True)
-        plain = requests / costs.predict_ms(requests, requests, context, False)
+        drafting = requests * self.tokens_per_request / costs.predict_ms(verified, requests, context, requests)
+        plain = requests / costs.predict_ms(requests, requests, context)
         if drafting > (1 + MARGIN) * plain:
             self.interval, self.plain_steps = 1, 0
             return requests

@@ -154,7 +154,7 @@ class ConcurrentDecoder:
                 "calibration_length": f"the calibration covers fewer than {self.block_size} positions; lower the "
                                       "block size or recalibrate.",
             }[need])
-        if not 1 <= self.block_size:
+        if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1 with a drafter, got {self.block_size}.")
         if self.mode == "threshold" and not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"threshold must be a probability in [0, 1], got {self.threshold}.")
@@ -258,7 +258,7 @@ class ConcurrentDecoder:
         segments = [[r.ids[-1]] + (b.tokens[:n].tolist() if b is not None else []) for r, b, n in
                     zip(requests, blocks, lengths)]
         total = sum(len(s) for s in segments)
-        predicted = self.costs.predict_ms(total, len(requests), context, drafting > 0) if self.costs is not None else 0.0
+        predicted = self.costs.predict_ms(total, len(requests), context, drafting) if self.costs is not None else 0.0
         logits, hidden = self._forward(requests, segments, torch.arange(total))
         step = StepStats(len(requests), total, False, list(lengths), draft_ms, self._last_forward_ms,
                          predicted_ms=predicted, drafted=drafting)
@@ -266,7 +266,7 @@ class ConcurrentDecoder:
         if self.costs is not None and self.sps.online:  # the curve learns this B at the requests' mean context
             self.sps.observe(total, context, step.verify_ms / 1e3)
         emitted, offset = {}, 0
-        for request, block, n, segment, context in zip(requests, blocks, lengths, segments, contexts):
+        for request, block, n, segment, cached in zip(requests, blocks, lengths, segments, contexts):
             m = len(segment)
             rows = self._process(request, request.padding + request.ids + segment[1:], logits[offset:offset + m],
                                  start=len(request.padding) + len(request.ids))
@@ -274,7 +274,7 @@ class ConcurrentDecoder:
             draft_logits = block.logits[:n] if block is not None and block.logits is not None else None
             tokens = accept_drafts(torch.tensor([request.ids]), drafts, draft_logits, rows, self.do_sample)
             accepted = len(tokens) - 1
-            request.kv.truncate(context + 1 + accepted)  # the anchor and the accepted drafts stay (rollback)
+            request.kv.truncate(cached + 1 + accepted)  # the anchor and the accepted drafts stay (rollback)
             self._keep_features(request, hidden, offset, 1 + accepted)
             offset += m
             out = self._emit(request, tokens)
