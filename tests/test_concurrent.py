@@ -155,6 +155,20 @@ def test_generate_concurrent_closed_loop_streams_and_frees_finished_requests(tar
     assert len(stats) == len(prompts) and stats.tau > 1.0
 
 
+@pytest.mark.parametrize("mode", ["fixed", "threshold"])
+def test_one_request_runs_the_rounds_of_the_single_request_path(target, drafter, mode):
+    """At R = 1 the engine drafts, verifies and accepts what `generate` with one prompt does, round for round."""
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        single = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
+                                 max_new_tokens=MAX_NEW, dspark_verification=mode, dspark_lookup=False)
+        expected = [(r.drafted, r.scheduled, r.accepted, r.draft_tokens) for r in drafter.last_stats.rounds]
+        outputs, stats = generate_concurrent(target, drafter, [prompt], max_concurrency=1, max_new_tokens=MAX_NEW,
+                                             verification=mode)
+        assert outputs[0] == single[0, len(prompt):].tolist()
+        assert [(r.drafted, r.scheduled, r.accepted, r.draft_tokens) for r in stats[0].rounds] == expected
+
+
 def test_plain_batched_decoding_without_a_drafter(target):
     outputs, stats = generate_concurrent(target, None, PROMPTS, max_concurrency=4, max_new_tokens=8)
     assert outputs == [plain(target, p, max_new=8) for p in PROMPTS]
