@@ -321,6 +321,7 @@ def test_step_costs_predict_by_tokens_and_requests():
     costs.observe(4, overhead_ms=10.0)  # running estimate: 0.8 · 5 + 0.2 · 10
     assert costs.overhead_ms[4] == pytest.approx(6.0)
     assert costs.predict_ms(6, 4, 0, drafting=1) == pytest.approx(126 + 6 + 20 / 4)  # a probe: 1/R of a pass
+    assert costs.predict_ms(1, 2, 0, drafting=2) == pytest.approx(65 + 6 + 20 / 2)  # drafter pass ∝ R below R = 4
     assert costs.rates(4, 0)[0] == pytest.approx(1000 / (65 + 6))
 
 

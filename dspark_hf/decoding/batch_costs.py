@@ -7,7 +7,8 @@ made from it before anything is drafted (issue 24; paper §3.2.2's Θ = τ · SP
   (:class:`~dspark_hf.decoding.sps.SPSCurve`, profiled to ``R·(γ+1)`` tokens and refined online by the engine's
   own forwards; cached on disk as the one-request curve is);
 * ``overhead(R)``: the rest of a step (host bookkeeping, acceptance, KV rollback), learnt online per ``R``;
-* ``draft(R)``: the drafter's one pass for ``R`` requests, learnt online per ``R``.
+* ``draft(R)``: the drafter's one pass for ``R`` requests, learnt online per ``R`` (interpolated between the ``R``
+  seen, proportional to ``R`` beyond them), so a closed loop whose ``R`` changes needs no new full pass to learn it.
 
 On this CPU plain batched decoding of 8 requests already verifies 8 tokens per step, so under load the right
 answer is often "draft nothing": :class:`DraftGate` compares the expected throughput of a drafting step with that
@@ -27,15 +28,17 @@ def _blend(table: dict[int, float], key: int, value: float) -> None:
     table[key] = value if key not in table else (1 - ONLINE_WEIGHT) * table[key] + ONLINE_WEIGHT * value
 
 
-def _interpolate(table: dict[int, float], key: int) -> float:
-    """``table`` at ``key``: linear between the nearest known keys, the nearest value outside them, 0 if empty."""
+def _interpolate(table: dict[int, float], key: int, proportional: bool = False) -> float:
+    """``table`` at ``key``: linear between the nearest known keys; outside them the nearest value (scaled by
+    ``key / nearest`` when ``proportional``: a cost per request); 0 if empty."""
     if not table:
         return 0.0
     if key in table:
         return table[key]
     below, above = [k for k in table if k < key], [k for k in table if k > key]
     if not below or not above:
-        return table[max(below) if below else min(above)]
+        nearest = max(below) if below else min(above)
+        return table[nearest] * (key / nearest if proportional else 1.0)
     lo, hi = max(below), min(above)
     return table[lo] + (table[hi] - table[lo]) * (key - lo) / (hi - lo)
 
@@ -69,7 +72,7 @@ class StepCosts:
     def predict_ms(self, tokens: int, requests: int, context: int, drafting: int = 0) -> float:
         """Predicted wall time of a step verifying ``tokens`` for ``requests``, ``drafting`` of which drafted (ms;
         the drafter's pass counted as its share ``drafting / requests`` of a pass for all)."""
-        draft = _interpolate(self.draft_ms, requests) * drafting / requests
+        draft = _interpolate(self.draft_ms, requests, proportional=True) * drafting / requests
         return self.verify_ms(tokens, context) + _interpolate(self.overhead_ms, requests) + draft
 
     def rates(self, requests: int, context: int) -> list[float]:
@@ -101,7 +104,7 @@ class DraftGate:
 
     def drafting_requests(self, costs: StepCosts, requests: int, context: int) -> int:
         """``requests``, 1 (a probe) or 0."""
-        if self.tokens_per_request is None or requests not in costs.draft_ms:
+        if self.tokens_per_request is None or not costs.draft_ms:
             return requests
         verified = max(requests, round(requests * self.verified_per_request))
         drafting = requests * self.tokens_per_request / costs.predict_ms(verified, requests, context, requests)
