@@ -190,9 +190,9 @@ class ConcurrentDecoder:
         return [r for r in self.requests if not r.done]
 
     def running(self):
-        """Context manager: the target runs ragged attention inside it (:func:`~dspark_hf.decoding.ragged.
-        ragged_attention`); call :meth:`step` within it. The scheduled modes' SPS curve is loaded (or profiled)
-        first, with the target's own attention."""
+        """Context manager: the target runs ragged attention inside it
+        (:func:`~dspark_hf.decoding.ragged.ragged_attention`); call :meth:`step` within it. The scheduled modes' SPS
+        curve is loaded (or profiled) first, with the target's own attention."""
         if self.drafter is not None and POLICIES[self.mode].needs_calibration and self.costs is None:
             needed = min(self.max_requests * (self.block_size + 1), MAX_PROFILED_TOKENS)
             curve = self.sps or self.drafter.sps_curve
