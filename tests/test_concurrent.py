@@ -300,6 +300,8 @@ def test_right_padding_and_streamers_raise(target, drafter, forward_calls):
 def test_engine_rejects_bad_requests(target, drafter):
     with pytest.raises(ValueError, match="max_concurrency"):
         generate_concurrent(target, drafter, [[1]], max_concurrency=0)
+    with pytest.raises(ValueError, match="at least one token"):
+        generate_concurrent(target, drafter, [[1, 2], []], max_concurrency=1)
     decoder = ConcurrentDecoder(target, drafter, verification="fixed")
     with pytest.raises(ValueError, match="prompt token"):
         decoder.add([], 4)

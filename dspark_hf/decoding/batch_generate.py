@@ -37,12 +37,14 @@ def generate_concurrent(target, drafter: DSparkDrafter | None, prompts: Iterable
         (``stats[i]`` for prompt ``i``).
 
     Raises:
-        ValueError: ``max_concurrency < 1``; as :class:`ConcurrentDecoder` and :meth:`ConcurrentDecoder.add`.
+        ValueError: ``max_concurrency < 1``, an empty prompt; as :class:`ConcurrentDecoder`.
     """
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}.")
-    decoder = ConcurrentDecoder(target, drafter, **{"max_requests": max_concurrency, **decoder_kwargs})
     queue = list(prompts)
+    if any(len(p) == 0 for p in queue):  # before any compute, not when the empty one's turn comes
+        raise ValueError("every prompt needs at least one token.")
+    decoder = ConcurrentDecoder(target, drafter, max_requests=max_concurrency, **decoder_kwargs)
     admitted = 0
     with decoder.running():
         while admitted < len(queue) or decoder.active:
