@@ -12,13 +12,15 @@ with ``defaults`` (paths and ids) and ``metrics`` (pure maths) below every layer
 
 from transformers import AutoConfig, AutoModel
 
+from .decoding.batch_generate import generate_concurrent
 from .decoding.calibration import SequentialTemperatureScaling
 from .decoding.candidate_generator import DSparkCandidateGenerator
+from .decoding.concurrent import ConcurrentDecoder
 from .decoding.kernels import pack_rows, prepack_linears
 from .decoding.profiling import load_or_profile_sps, profile_sps, save_sps
 from .decoding.routing import install, uninstall
 from .decoding.sps import NoisySPSWarning, SPSCurve
-from .decoding.stats import GenerationStats
+from .decoding.stats import BatchStats, GenerationStats
 from .decoding.targets import load_default_target, load_target
 from .defaults import __version__ as __version__
 from .defaults import check_local_path
@@ -45,6 +47,8 @@ DSparkDrafter.register_for_auto_class("AutoModel")
 install()
 
 __all__ = [
+    "BatchStats",
+    "ConcurrentDecoder",
     "DSparkCandidateGenerator",
     "DSparkConfig",
     "DSparkDrafter",
@@ -52,6 +56,7 @@ __all__ = [
     "NoisySPSWarning",
     "SPSCurve",
     "SequentialTemperatureScaling",
+    "generate_concurrent",
     "install",
     "load_default_target",
     "load_or_profile_sps",

@@ -362,11 +362,6 @@ def _raises_before_compute(forward_calls, match, call):
     assert not forward_calls, "the target ran before the error"
 
 
-def test_batch_size_two_raises(target, drafters, forward_calls):
-    batch = torch.tensor([[5, 9, 3], [1, 2, 3]])
-    _raises_before_compute(forward_calls, "(?i)batch size", lambda: generate(target, batch, drafters["markov"], "fixed", 4))
-
-
 def test_beam_search_raises(target, drafters, prompts, forward_calls):
     _raises_before_compute(forward_calls, "num_beams",
                            lambda: generate(target, prompts[1], drafters["markov"], "fixed", 4, num_beams=2))

@@ -67,6 +67,8 @@ def run(args):
     empty = [n for n, p in suites.items() if not p]
     if empty:
         sys.exit(f"Suites without prompts: {empty}")
+    if args.concurrency:
+        return _run_concurrency(args, target, drafters, suites, settings)
     result, raw = run_bench(target, drafters, suites, settings, notes=notes, builtin_dflash=not args.no_builtin_dflash,
                             command=shlex.join(["dspark", *sys.argv[1:]]))
     result.runtime_s = time.perf_counter() - started  # loading included
@@ -77,6 +79,25 @@ def run(args):
         print(result.dumps(), end="")
     elif not args.out:
         print(markdown_report(result))
+
+
+def _run_concurrency(args, target, drafters, suites, settings):
+    """``--concurrency``: the many-requests bench (:mod:`dspark_hf.bench.concurrency`) with the first drafter."""
+    from ..bench.concurrency import markdown, run_concurrency, write
+
+    try:
+        levels = [int(r) for r in args.concurrency.split(",")]
+    except ValueError:
+        sys.exit(f"dspark bench: --concurrency takes comma-separated integers, got {args.concurrency!r}")
+    name, drafter = next(iter(drafters.items()))
+    prompts = [ids for pairs in zip(*suites.values()) for _, ids in pairs] or next(iter(suites.values()))
+    result = run_concurrency(target, drafter, [list(map(int, p)) for p in prompts], levels, settings.max_new_tokens,
+                             settings.gamma, log=lambda line: print(line, file=sys.stderr))
+    result["settings"].update(drafter=name, command=shlex.join(["dspark", *sys.argv[1:]]))
+    if args.out:
+        paths = write(result, args.out)
+        print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    print(markdown(result))
 
 
 def add_parser(sub):
@@ -96,4 +117,8 @@ def add_parser(sub):
     p.add_argument("--no-builtin-dflash", action="store_true", help="skip the built-in speculation_type='dflash' path")
     p.add_argument("--out", default=None, help="folder for benchmarks.json, benchmarks.md and the PNGs (e.g. docs)")
     p.add_argument("--json", action="store_true", help="print the JSON to stdout")
+    p.add_argument("--concurrency", default=None, help="comma-separated R, e.g. 1,2,4,8: instead of the single-request "
+                                                       "bench, serve 2·R prompts with R in flight through plain batched "
+                                                       "decoding, fixed γ, threshold, Algorithm 1 and async "
+                                                       "(concurrency.json/.md and two PNGs in --out)")
     return p
