@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..defaults import check_local_path, default_drafter
-from ..modeling.configuration_dspark import MAX_BLOCK_SIZE
+from ..modeling.limits import MAX_BLOCK_SIZE
 
 DEFAULT_THREADS = 1  # see the README's "Threads and load": 2 threads collapse on a shared 2-core CPU
 GAMMA_HELP = (f"block size γ, drafts per round, 1..{MAX_BLOCK_SIZE} (default: the drafter's). The scheduler and async "

@@ -411,18 +411,20 @@ class DSparkDrafter(PreTrainedModel):
 
 def _route_remote_copy() -> None:
     """This file also ships with each drafter for ``trust_remote_code`` (``dspark card`` writes it with
-    ``save_pretrained``). Loaded that way, import the installed package's copy of this module: that imports
-    ``dspark_hf``, which routes ``target.generate(assistant_model=drafter)`` as after ``import dspark_hf``, and
-    this copy then shares its extensions (``calibration.json``, kernels)."""
+    ``save_pretrained``). Loaded that way, wire the installed package (its first use routes
+    ``target.generate(assistant_model=drafter)``) and share its copy's extensions (``calibration.json``, kernels)."""
     global EXTENSIONS
     if not __package__ or __package__.split(".")[0] == "dspark_hf":
         return
     try:
+        import dspark_hf
         from dspark_hf.modeling import modeling_dspark as installed
     except ImportError:
         warnings.warn("This DSpark drafter was loaded with trust_remote_code, but generate(assistant_model=drafter) "
-                      "needs the dspark-hf package to route it: pip install dspark-hf.")
+                      "needs the dspark-hf package to route it: install it (`pip install -e .` in a clone of its "
+                      "repository).")
         return
+    dspark_hf.install()  # its first use wires the package (extensions, routing), as after `dspark_hf.DSparkDrafter`
     EXTENSIONS = installed.EXTENSIONS
 
 
