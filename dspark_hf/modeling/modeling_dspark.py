@@ -421,8 +421,7 @@ def _route_remote_copy() -> None:
         from dspark_hf.modeling import modeling_dspark as installed
     except ImportError:
         warnings.warn("This DSpark drafter was loaded with trust_remote_code, but generate(assistant_model=drafter) "
-                      "needs the dspark-hf package to route it: install it (`pip install -e .` in a clone of its "
-                      "repository).")
+                      "needs the dspark-hf package to route it: `pip install -e .` in a clone of its repository.")
         return
     dspark_hf.install()  # its first use wires the package (extensions, routing), as after `dspark_hf.DSparkDrafter`
     EXTENSIONS = installed.EXTENSIONS
