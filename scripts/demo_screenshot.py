@@ -38,9 +38,9 @@ def main(argv=None):
     parser.add_argument("--out", default="docs/demo.png")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (as the dspark commands)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
     port = free_port()
     app = launch(None, None, args.drafter, port=port, prevent_thread_lock=True, max_new_tokens=int(args.max_new_tokens))
+    torch.set_num_threads(args.threads)  # after loading: load_target sets the default
     try:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=args.browser, headless=True, args=CHROMIUM_ARGS)

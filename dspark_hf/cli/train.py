@@ -41,7 +41,7 @@ def run(args):
     # this process of `accelerate launch` / torchrun, or the only one: cuda:LOCAL_RANK where there are GPUs, else
     # the CPU (accelerate runs several processes on the CPU only when told cpu=True)
     state = PartialState(cpu=not torch.cuda.is_available())
-    target, tokenizer = load_target(args.target, stock_kernels=state.device.type != "cpu")
+    target, tokenizer = load_target(args.target, stock_kernels=state.device.type != "cpu", threads=None)  # cfg.threads
     target.to(state.device)
     if state.is_main_process and not args.train_only:  # one (resumable) regeneration; the others wait for its data
         layers = spread_layer_ids(target.config.num_hidden_layers, cfg.num_context_layers)
