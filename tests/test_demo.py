@@ -266,7 +266,7 @@ def browser_page(tiny):
     """The demo served on a free port and opened in headless Chromium: ``(page, expect)``."""
     if not (shutil.which(CHROMIUM) or Path(CHROMIUM).is_file()):
         pytest.skip(f"no Chromium at {CHROMIUM}: install Debian's `chromium` package (CI does) to run the browser test")
-    pytest.importorskip("gradio", reason="the demo needs gradio: pip install 'dspark-hf[demo]'")
+    pytest.importorskip("gradio", reason="the demo needs gradio: pip install -e '.[demo]'")
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (no browser download needed)")
     from dspark_hf.demo.app import launch
 

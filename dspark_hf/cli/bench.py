@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from ..bench.settings import BenchSettings
 
 NAME = "bench"
+EXTRA = "data"  # the optional dependencies it needs (pyproject.toml); dspark_hf.cli.main checks them first
 HELP = "τ, acceptance, confidence and wall-clock benchmarks (JSON, Markdown, PNG)"
 
 QUICK_MAX_NEW_TOKENS = 32  # new tokens per generation of a quick run (``--limit`` without ``--max-new-tokens``)

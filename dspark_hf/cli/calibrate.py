@@ -9,6 +9,7 @@ from ..defaults import default_drafter
 from .common import _int_in, _temperature, add_command, load_models
 
 NAME = "calibrate"
+EXTRA = "data"  # the optional dependencies it needs (pyproject.toml); dspark_hf.cli.main checks them first
 HELP = "fit Sequential Temperature Scaling (STS) on calibration rounds: calibration.json, reliability.png"
 
 

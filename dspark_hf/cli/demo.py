@@ -7,6 +7,7 @@ import sys
 from .common import add_command, load_models
 
 NAME = "demo"
+EXTRA = "demo"  # the optional dependencies it needs (pyproject.toml); dspark_hf.cli.main checks them first
 HELP = "serve the Gradio demo at http://127.0.0.1:7860: live token colouring, stats, side-by-side"
 
 
@@ -25,7 +26,9 @@ def run(args):
     try:
         import gradio  # noqa: F401
     except ModuleNotFoundError:
-        sys.exit("The demo needs Gradio: pip install 'dspark-hf[demo]'")
+        from ..defaults import install_hint
+
+        sys.exit(f"The demo needs Gradio: {install_hint('demo')}")
     from ..demo.app import launch
 
     target, tokenizer, drafter = load_models(args)

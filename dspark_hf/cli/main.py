@@ -17,7 +17,7 @@ import argparse
 import sys
 import warnings
 
-from ..defaults import __version__
+from ..defaults import __version__, install_hint, missing_extra
 from . import bench, calibrate, card, demo, export, generate, import_, info, profile, push, train
 
 COMMANDS = (info, generate, profile, train, calibrate, export, import_, bench, card, push, demo)
@@ -53,6 +53,15 @@ def _parser(in_full) -> argparse.ArgumentParser:
     return parser
 
 
+def check_extra(command) -> None:
+    """Exit with the install command when ``command.EXTRA`` (its optional dependencies, pyproject.toml) is missing."""
+    extra = getattr(command, "EXTRA", None)
+    missing = missing_extra(extra) if extra else []
+    if missing:
+        sys.exit(f"dspark {command.NAME} needs dspark-hf's '{extra}' extra, and {', '.join(missing)} "
+                 f"{'is' if len(missing) == 1 else 'are'} not installed: {install_hint(extra)}")
+
+
 def main(argv=None):
     """Entry point of the ``dspark`` console script."""
     warnings.formatwarning = _one_line_warning
@@ -62,6 +71,7 @@ def main(argv=None):
     args.argv = argv  # as typed (training.json records it)
     if getattr(args, "threads", None) is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
+    check_extra(next(c for c in COMMANDS if c.NAME == args.command))
     from .. import install  # the first use of the package wires it (dspark_hf._wire); this is where torch loads
 
     install()

@@ -37,7 +37,12 @@ def run(args):
         print(curve.to_json())
         return
     path = sps_cache_path(target, args.context_len)
-    png = plot_sps(curve, Path(args.png) if args.png else path.with_suffix(".png"))
+    try:
+        png = plot_sps(curve, Path(args.png) if args.png else path.with_suffix(".png"))
+    except ModuleNotFoundError:  # matplotlib is an extra: the table is the answer, the plot a bonus
+        from ..defaults import install_hint
+
+        png = f"not drawn: matplotlib is missing ({install_hint('data')})"
     print(f"SPS curve of {curve.target_name or 'the target'} on {curve.device_name}, {curve.linear_kernels} kernels "
           f"(ms per verification of B tokens; {curve.observations} online refinements):")
     print(curve.table())

@@ -12,6 +12,7 @@ from ..defaults import DEFAULT_TRAIN_CONFIG
 from .common import add_command
 
 NAME = "train"
+EXTRA = "train"  # the optional dependencies it needs (pyproject.toml); dspark_hf.cli.main checks them first
 HELP = ("regenerate data with the target and train a drafter (on a GPU where there is one; several processes: "
         "`accelerate launch -m dspark_hf.cli train`)")
 

@@ -4,7 +4,7 @@
 transcript is :mod:`dspark_hf.demo.transcript`, its rendering :mod:`dspark_hf.demo.render`.
 
 Nothing here imports gradio at module level: ``import dspark_hf.demo`` stays cheap and the
-``demo`` extra (``pip install 'dspark-hf[demo]'``) is needed only to build or launch the app.
+``demo`` extra (``pip install -e '.[demo]'`` in a clone) is needed only to build or launch the app.
 """
 
 from __future__ import annotations
