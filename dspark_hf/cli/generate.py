@@ -58,7 +58,10 @@ def run(args):
         print(json.dumps(result))
         return
     summary = {k: v for k, v in result.items() if k != "text"}
+    if summary.get("identical", False) is None:  # sampling: two correct runs draw different tokens
+        summary["identical"] = "n/a (sampling is exact in law, not token for token)"
     print("\n---\n" + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+    print("(README, \"Statistics\": what each number counts)")
 
 
 def check_settings(drafter, verify: str | None, gamma: int | None, lookup: bool | None) -> None:
