@@ -2,10 +2,11 @@
 
 ``import dspark_hf`` is cheap (no torch): the names below are imported on first use. That first use of any of them
 (``dspark_hf.DSparkDrafter``, ``dspark_hf.load_default_target()``, ``from dspark_hf import SPSCurve``…) also wires
-the package, once (:func:`_wire`): it registers the ``dspark`` model type with the Auto classes, plugs the package's
+the package, once (:func:`wire`): it registers the ``dspark`` model type with the Auto classes, plugs the package's
 calibration, CPU kernels and checkpoint converters into the drafter (``modeling_dspark.EXTENSIONS``), and routes
 ``target.generate(..., assistant_model=DSparkDrafter)`` through DSpark drafting (``dspark_hf.decoding.routing``;
-``dspark_hf.uninstall()`` undoes it). The ``dspark`` command wires it before running a command.
+``dspark_hf.uninstall()`` undoes it). So does building the first ``DSparkDrafter`` of a process, however its class
+was imported, and the ``dspark`` command before running a command.
 
 Layers (imports point one way; ``tests/test_layering.py`` checks it):
 ``modeling`` ← ``decoding`` ← {``training``, ``evaluation``} ← {``bench``, ``hub``, ``demo``} ← ``cli``,
@@ -45,7 +46,7 @@ def _import_checkpoint(path, config_dict, hub_kwargs):
     return import_checkpoint(path, config_dict, hub_kwargs)
 
 
-def _wire() -> None:
+def wire() -> None:
     """Register with the Auto classes, fill the drafter's extension points and route ``generate`` (once)."""
     global _wired
     if _wired:
@@ -75,7 +76,7 @@ def __getattr__(name: str):
     """Import a public name on first use, wiring the package first (module ``__getattr__``, PEP 562)."""
     if name not in _PUBLIC:
         raise AttributeError(f"module 'dspark_hf' has no attribute {name!r}")
-    _wire()
+    wire()
     value = getattr(import_module(f".{_PUBLIC[name]}", __name__), name)
     globals()[name] = value
     return value

@@ -208,3 +208,16 @@ def test_import_dspark_hf_is_cheap_and_first_use_wires_it():
             "type(AutoConfig.for_model('dspark')).__name__)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.split() == ["False", "False", "True", "DSparkConfig"], proc.stderr[-2000:]
+
+    # a drafter whose class was imported from its module (dspark_hf.demo.app, scripts) wires the package when built
+    code = ("from transformers import GenerationMixin; from dspark_hf.decoding import routing; "
+            "from dspark_hf.modeling.configuration_dspark import DSparkConfig; "
+            "from dspark_hf.modeling.modeling_dspark import EXTENSIONS, DSparkDrafter; "
+            "before = GenerationMixin._get_candidate_generator is routing._get_candidate_generator; "
+            "DSparkDrafter(DSparkConfig(vocab_size=64, hidden_size=32, target_num_layers=6, target_layer_ids=[1, 3], "
+            "num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64, num_hidden_layers=1, "
+            "sequential_rank=8, mask_token_id=0)); "
+            "print(before, GenerationMixin._get_candidate_generator is routing._get_candidate_generator, "
+            "EXTENSIONS.load_calibration is not None)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["False", "True", "True"], proc.stderr[-2000:]

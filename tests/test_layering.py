@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dspark_hf"
 LAYER = {"modeling": 0, "defaults": 1, "metrics": 1, "decoding": 2, "training": 3, "evaluation": 3,
          "bench": 4, "hub": 4, "demo": 4, "cli": 5}
 MAX_LINES = 430  # "no module over ~400 lines"
-# the two places that wire the package (``dspark_hf._wire``, on the first use of a public name) from below it
+# the two places that wire the package (``dspark_hf.wire``, on the first use of a public name) from below it
 WIRING = {"cli/main.py": "the entry point, once a command runs",
           "modeling/modeling_dspark.py": "the remote copy's bootstrap (trust_remote_code) wires the installed package"}
 

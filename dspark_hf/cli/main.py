@@ -6,7 +6,7 @@ command reads the message, not our code).
 
 Start-up is cheap: the command modules import torch, transformers and the rest of the package inside ``run`` (or, for
 the flags made from settings dataclasses, inside ``add_parser``), only the chosen command's parser is built in full
-(the others are listed by name and ``HELP``), and the package is wired (:func:`dspark_hf._wire`: Auto classes,
+(the others are listed by name and ``HELP``), and the package is wired (:func:`dspark_hf.wire`: Auto classes,
 drafter extensions, ``generate`` routing) only once a command runs. So ``dspark --help``, ``--version`` and argument
 errors print before torch is imported.
 """
@@ -72,9 +72,9 @@ def main(argv=None):
     if getattr(args, "threads", None) is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     check_extra(next(c for c in COMMANDS if c.NAME == args.command))
-    from .. import install  # the first use of the package wires it (dspark_hf._wire); this is where torch loads
+    from .. import wire  # Auto classes, drafter extensions, generate routing: this is where torch loads
 
-    install()
+    wire()
     if getattr(args, "threads", None) is not None:
         import torch
 

@@ -76,6 +76,7 @@ class DSparkDrafter(PreTrainedModel):
 
     def __init__(self, config: DSparkConfig):
         config.check_mask_token()  # v2: the mask slots' token (a config alone may leave it unset)
+        _wire_package()  # the first drafter of a process routes generate (dspark_hf.wire), however it was imported
         super().__init__(config)
         self.calibration = None  # STS of the confidences, §3.2.1 (dspark_hf.decoding.calibration)
         self.last_stats = None  # per-round statistics of the last generate() call
@@ -408,14 +409,11 @@ class DSparkDrafter(PreTrainedModel):
         )
 
 
-
-def _route_remote_copy() -> None:
-    """This file also ships with each drafter for ``trust_remote_code`` (``dspark card`` writes it with
-    ``save_pretrained``). Loaded that way, wire the installed package (its first use routes
-    ``target.generate(assistant_model=drafter)``) and share its copy's extensions (``calibration.json``, kernels)."""
+def _wire_package() -> None:
+    """Wire the installed ``dspark_hf`` once (``dspark_hf.wire``: Auto classes, :data:`EXTENSIONS`, ``generate``
+    routing), whichever path imported this class: when a drafter is built, and on import of the copy of this file
+    that ships with each drafter for ``trust_remote_code`` (``dspark card``), which shares the installed extensions."""
     global EXTENSIONS
-    if not __package__ or __package__.split(".")[0] == "dspark_hf":
-        return
     try:
         import dspark_hf
         from dspark_hf.modeling import modeling_dspark as installed
@@ -423,8 +421,9 @@ def _route_remote_copy() -> None:
         warnings.warn("This DSpark drafter was loaded with trust_remote_code, but generate(assistant_model=drafter) "
                       "needs the dspark-hf package to route it: `pip install -e .` in a clone of its repository.")
         return
-    dspark_hf.install()  # its first use wires the package (extensions, routing), as after `dspark_hf.DSparkDrafter`
+    dspark_hf.wire()
     EXTENSIONS = installed.EXTENSIONS
 
 
-_route_remote_copy()
+if __package__ and __package__.split(".")[0] != "dspark_hf":  # the remote copy
+    _wire_package()
