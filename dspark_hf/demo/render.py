@@ -52,9 +52,10 @@ CSS = """
 .dspark-rounds { font-size: 12px; margin-top: 6px; max-width: 100%; max-height: 32em; overflow: auto; }
 .dspark-rounds summary { font-size: 13px; cursor: pointer; }
 .dspark-plot-counts { font-size: 12px; color: #444; }
-.dspark-rounds table { border-collapse: collapse; }
+.dspark-rounds table { border-collapse: collapse; width: 100%; }
 .dspark-rounds td, .dspark-rounds th { padding: 1px 6px; border-bottom: 1px solid #eceff3; text-align: left;
   font-family: ui-monospace, monospace; white-space: pre; }
+.dspark-rounds td.drafts { white-space: pre-wrap; word-break: break-word; }  /* the one wide column wraps */
 .dspark-rounds .c-accepted { color: #1b7a33; }
 .dspark-rounds .c-rejected { color: #c62828; text-decoration: line-through; }
 .dspark-rounds .c-pruned { color: #7a7f87; }
@@ -115,8 +116,9 @@ def curve_counts(rows: list[dict]) -> str:
     if not counts:
         return '<div class="dspark-plot-counts">No verified drafts yet.</div>'
     shown = " · ".join(f"k={k}: {n}" for k, n in sorted(counts.items()))
-    few = [k for k, n in counts.items() if n < 5]
-    warn = f" Positions {', '.join(map(str, sorted(few)))} rest on fewer than 5 rounds." if few else ""
+    few = sorted(k for k, n in counts.items() if n < 5)
+    warn = (f" Position{'s' * (len(few) > 1)} {', '.join(map(str, few))} rest{'s' * (len(few) == 1)} on fewer than 5 "
+            "rounds." if few else "")
     return f'<div class="dspark-plot-counts">Rounds behind each point (verified position k reached): {shown}.{warn}</div>'
 
 

@@ -310,7 +310,7 @@ class Transcript:
             target = f"{outcome.kind}: {_visible(outcome.text)}" if outcome is not None else "(EOS or budget)"
             timing = (f"{r.stats.draft_ms:.1f} / {r.stats.verify_ms:.1f}" if hasattr(r.stats, "verify_ms") else "–")
             rows.append(f"<tr><td>{r.index}</td><td>{r.drafted}</td><td>{r.scheduled}</td><td>{r.accepted}</td>"
-                        f"<td>{target}</td><td>{confs}</td><td>{text}</td><td>{timing}</td></tr>")
+                        f"<td>{target}</td><td>{confs}</td><td class=\"drafts\">{text}</td><td>{timing}</td></tr>")
         head = ("<tr><th>round</th><th>γ (drafted)</th><th>ℓ (verified)</th><th>accepted</th><th>target token</th>"
                 "<th>confidence c_k per draft</th><th>drafts</th><th>draft / verify ms</th></tr>")
         return (f'<details class="dspark-rounds"><summary>what happened each round ({len(self.rounds)} rounds)</summary>'
