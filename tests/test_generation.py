@@ -677,7 +677,8 @@ def check_lookup_stats(drafter, out, prompt_len, max_new, gamma, mode):
         length += r.accepted + 1
     assert out.shape[1] == length == prompt_len + stats.new_tokens, "every token: the prefill's or one round's"
     found = stats.token_sources()
-    assert found == dict(lookup=sum(min(r.accepted, r.lookup) for r in stats.rounds),
+    assert sum(found.values()) == stats.new_tokens  # issue 26: the sources add up (the prefill's token included)
+    assert found == dict(prefill=1, lookup=sum(min(r.accepted, r.lookup) for r in stats.rounds),
                          dspark=sum(r.accepted - min(r.accepted, r.lookup) for r in stats.rounds),
                          target=len(stats.rounds))
     return sources

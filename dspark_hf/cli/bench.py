@@ -8,16 +8,17 @@ import sys
 import time
 from dataclasses import fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import HfArgumentParser
-
-from ..bench.loading import load_drafters, parse_drafters
-from ..bench.report import markdown_report, write_report
-from ..bench.runner import run_bench
-from ..bench.settings import BenchSettings
-from ..bench.suites import LONG_TOKENS, OTHER_SUITES, SUITES, encode_suites, suite_texts
 from ..defaults import DEFAULT_BENCH_DRAFTERS
 from .common import add_command, load_cli_target
+
+if TYPE_CHECKING:
+    from ..bench.settings import BenchSettings
+
+NAME = "bench"
+EXTRA = "data"  # the optional dependencies it needs (pyproject.toml); dspark_hf.cli.main checks them first
+HELP = "τ, acceptance, confidence and wall-clock benchmarks (JSON, Markdown, PNG)"
 
 QUICK_MAX_NEW_TOKENS = 32  # new tokens per generation of a quick run (``--limit`` without ``--max-new-tokens``)
 
@@ -31,6 +32,8 @@ def settings_from_args(args) -> tuple[BenchSettings, list[str]]:
     Raises:
         ValueError: from :class:`BenchSettings` for a non-positive γ, limit or token budget.
     """
+    from ..bench.settings import BenchSettings
+
     given = {f.name: getattr(args, f.name) for f in fields(BenchSettings) if hasattr(args, f.name)}  # flags given
     quick = "limit" in given and "max_new_tokens" not in given
     if quick:
@@ -43,6 +46,11 @@ def settings_from_args(args) -> tuple[BenchSettings, list[str]]:
 
 
 def run(args):
+    from ..bench.loading import load_drafters, parse_drafters
+    from ..bench.report import markdown_report, write_report
+    from ..bench.runner import run_bench
+    from ..bench.suites import LONG_TOKENS, SUITES, encode_suites, suite_texts
+
     started = time.perf_counter()
     try:
         settings, notes = settings_from_args(args)
@@ -103,11 +111,15 @@ def _run_concurrency(args, target, drafters, suites, settings):
 def add_parser(sub):
     """``dspark bench``: :class:`~dspark_hf.bench.runner.BenchSettings` fields as flags (``HfArgumentParser``), plus
     what to run on and where to write; a settings flag that is not given leaves the dataclass default."""
+    from transformers import HfArgumentParser
+
+    from ..bench.settings import BenchSettings
+    from ..bench.suites import OTHER_SUITES, SUITES
+
     settings = HfArgumentParser(BenchSettings, add_help=False)
     for action in settings._actions:
         action.default = argparse.SUPPRESS  # absent unless given: --limit alone means a quick run
-    p = add_command(sub, "bench", run, "τ, acceptance, confidence and wall-clock benchmarks (JSON, Markdown, PNG)",
-                    kernels=True, compute=True, parents=[settings])
+    p = add_command(sub, NAME, run, HELP, kernels=True, compute=True, parents=[settings])
     p.add_argument("--drafters", default=DEFAULT_BENCH_DRAFTERS,
                    help="name=PATH,... (missing folders are skipped with a note); names 'dspark' and 'dflash' "
                         f"give tau_ratio_dspark_over_dflash (default: {DEFAULT_BENCH_DRAFTERS})")

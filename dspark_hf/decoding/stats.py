@@ -74,12 +74,14 @@ class GenerationStats:
         return torch.tensor([r.confidences for r in keep]), torch.tensor([r.accepted for r in keep])
 
     def token_sources(self) -> dict[str, int]:
-        """Where the tokens of the recorded rounds came from: accepted ``lookup`` drafts, accepted ``dspark``
-        drafts, and the ``target``'s own token of each round (bonus or correction, and the token of a last round
-        with no room to draft). The prefill's first token is not a round: the sources sum to ``new_tokens - 1``."""
+        """Where every generated token came from; the counts sum to :attr:`new_tokens`.
+
+        ``prefill``: the first token, from the target's prefill (1; no round produced it); ``lookup`` and ``dspark``:
+        accepted drafts of each kind; ``target``: the target's own token of each round (bonus or correction, and the
+        token of a last round with no room to draft), one per round."""
         lookup = sum(min(r.accepted, r.lookup) for r in self.rounds)
         accepted = sum(r.accepted for r in self.rounds)
-        return dict(lookup=lookup, dspark=accepted - lookup, target=len(self.rounds))
+        return dict(prefill=1, lookup=lookup, dspark=accepted - lookup, target=len(self.rounds))
 
     def as_dict(self) -> dict:
         return dict(

@@ -76,6 +76,7 @@ class DSparkDrafter(PreTrainedModel):
 
     def __init__(self, config: DSparkConfig):
         config.check_mask_token()  # v2: the mask slots' token (a config alone may leave it unset)
+        _wire_package()  # the first drafter of a process routes generate (dspark_hf.wire), however it was imported
         super().__init__(config)
         self.calibration = None  # STS of the confidences, §3.2.1 (dspark_hf.decoding.calibration)
         self.last_stats = None  # per-round statistics of the last generate() call
@@ -396,22 +397,21 @@ class DSparkDrafter(PreTrainedModel):
         return sample_blocks(self, hidden, anchor_t, do_sample, logits_processor, prefix_ids, generator)
 
 
-
-def _route_remote_copy() -> None:
-    """This file also ships with each drafter for ``trust_remote_code`` (``dspark card`` writes it with
-    ``save_pretrained``). Loaded that way, import the installed package's copy of this module: that imports
-    ``dspark_hf``, which routes ``target.generate(assistant_model=drafter)`` as after ``import dspark_hf``, and
-    this copy then shares its extensions (``calibration.json``, kernels)."""
+def _wire_package() -> None:
+    """Wire the installed ``dspark_hf`` once (``dspark_hf.wire``: Auto classes, :data:`EXTENSIONS`, ``generate``
+    routing), whichever path imported this class: when a drafter is built, and on import of the copy of this file
+    that ships with each drafter for ``trust_remote_code`` (``dspark card``), which shares the installed extensions."""
     global EXTENSIONS
-    if not __package__ or __package__.split(".")[0] == "dspark_hf":
-        return
     try:
+        import dspark_hf
         from dspark_hf.modeling import modeling_dspark as installed
     except ImportError:
         warnings.warn("This DSpark drafter was loaded with trust_remote_code, but generate(assistant_model=drafter) "
-                      "needs the dspark-hf package to route it: pip install dspark-hf.")
+                      "needs the dspark-hf package to route it: `pip install -e .` in a clone of its repository.")
         return
+    dspark_hf.wire()
     EXTENSIONS = installed.EXTENSIONS
 
 
-_route_remote_copy()
+if __package__ and __package__.split(".")[0] != "dspark_hf":  # the remote copy
+    _wire_package()
