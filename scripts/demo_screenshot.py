@@ -37,14 +37,15 @@ def main(argv=None):
     parser.add_argument("--browser", default="/usr/bin/chromium")
     parser.add_argument("--out", default="docs/demo.png")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (as the dspark commands)")
+    parser.add_argument("--width", type=int, default=1280, help="browser window width in pixels (a laptop's default)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
     port = free_port()
     app = launch(None, None, args.drafter, port=port, prevent_thread_lock=True, max_new_tokens=int(args.max_new_tokens))
+    torch.set_num_threads(args.threads)  # after loading: load_target sets the default
     try:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=args.browser, headless=True, args=CHROMIUM_ARGS)
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page = browser.new_page(viewport={"width": args.width, "height": 1000})
             page.goto(f"http://127.0.0.1:{port}/")
             page.fill("#dspark-prompt textarea", args.prompt)
             page.locator(f"#dspark-mode input[value={args.mode}]").check()
@@ -55,7 +56,7 @@ def main(argv=None):
             page.locator("#dspark-side input[type=checkbox]").check()
             page.click("#dspark-run")
             page.wait_for_selector('#dspark-stats [data-stat="speedup"]', timeout=600_000)
-            page.locator("#dspark-output details.dspark-rounds summary").click()  # the per-round table
+            page.locator("#dspark-rounds details.dspark-rounds summary").click()  # the per-round table, own row
             page.locator("#dspark-output .ghost .dot").first.hover()  # one round's rejected / unverified drafts
             page.wait_for_timeout(1500)
             print(page.inner_text("#dspark-stats"))

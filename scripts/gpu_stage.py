@@ -8,7 +8,7 @@ Run here (a machine with pip and the repo's venv); writes the ignored folder ``.
     each also parts.json: every part's name, call, size and sha256, plus the GGUF's sha256
 
 Call A carries ``.device-stage/a``, call B ``.device-stage/b``; both run ``bash scripts/gpu_job.sh``
-(README "GPU job"). The GGUF's split point is chosen so both calls have the same headroom under 64 MiB,
+(docs/training.md, "GPU job"). The GGUF's split point is chosen so both calls have the same headroom under 64 MiB,
 counting the working tree as the device counts it (tracked files present here, untracked files not ignored);
 leave the large tracked blobs out first (``scripts/device_tree.sh slim``). Exits non-zero, naming the sizes, when
 a call would not fit.

@@ -46,7 +46,7 @@ def main():
     device = torch.device(args.device)
     overrides = {k: v for k, v in (("sequences_per_step", args.sequences), ("anchors_per_sequence", args.anchors)) if v}
     cfg = TrainConfig.from_yaml(args.config, data_dir=[args.data_dir], **overrides)
-    target, _ = load_target(args.target, prepack=False)
+    target, _ = load_target(args.target, prepack=False, threads=args.threads)
     target.to(device)
     rows = FeatureStore.from_shards(cfg.data_dir, "train", device)  # on the device, as `train` holds it
     drafter = build_drafter(target, cfg, rows).to(device).train()

@@ -137,10 +137,10 @@ def main():
     p.add_argument("--prefill-repeats", type=int, default=3)
     p.add_argument("--out", type=Path, default=None, help="also write the markdown tables here")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
     models = {"stock": load_default_target(stock_kernels=True)[0],  # what transformers gives
               "prepacked": prepack_linears(load_default_target(stock_kernels=True)[0]),  # before issue 23
               "new": load_default_target()[0]}
+    torch.set_num_threads(args.threads)  # after loading: load_target sets its own default
     labels = {name: kernels_label(m) for name, m in models.items()}
     table = forward_table(models, args.contexts, args.sizes, args.repeats)
     lines = [f"Target forward of B new tokens over a KV cache of ctx tokens, ms (median of {args.repeats}, "

@@ -89,6 +89,25 @@ def test_cpu_kernels_label_and_opt_out():
         load_target("unused", prepack=True, stock_kernels=True)  # refused before anything loads
 
 
+def test_load_target_sets_the_command_lines_thread_count(monkeypatch, tmp_path):
+    """Issue 26: Python (torch's one thread per core) and the CLI (--threads 1) keyed two SPS curves, so the README's
+    Python snippet profiled again. load_target now sets the CLI's default; threads=None keeps torch's setting."""
+    from dspark_hf.cli.common import DEFAULT_THREADS
+    from dspark_hf.decoding import targets
+
+    monkeypatch.setattr(targets.AutoTokenizer, "from_pretrained", lambda path: "tokenizer")
+    monkeypatch.setattr(targets.AutoModelForCausalLM, "from_pretrained", lambda path, dtype: tiny_llama(50, 16, 1))
+    torch.set_num_threads(2)
+    load_target(str(tmp_path))
+    assert torch.get_num_threads() == 1 == DEFAULT_THREADS
+    torch.set_num_threads(2)
+    load_target(str(tmp_path), threads=None)
+    assert torch.get_num_threads() == 2
+    with pytest.raises(ValueError, match="threads must be an integer >= 1"):
+        load_target(str(tmp_path), threads=0)
+    torch.set_num_threads(1)  # the module's one_thread fixture restores its own value at the end
+
+
 @pytest.mark.parametrize("mode", ["fixed", "async"])  # async: the default (with prompt lookup)
 def test_dspark_greedy_identical_on_cpu_kernels(mode):
     target = cycle_target(num_hidden_layers=2, alpha=0.026)

@@ -329,6 +329,10 @@ def test_runner_end_to_end(tmp_path):
     markdown = (tmp_path / "benchmarks.md").read_text()
     assert markdown.startswith("# dspark bench") and "min per-prompt speedup" in markdown
     assert "**Every prompt** (all suites)" in markdown
+    # issue 26: the threshold row's speedup is against pass 3's own plain run, whose tok/s the table now states
+    threshold = wall.suites["a"]["dspark:threshold"]
+    own_plain = threshold.median_tokens_per_s / threshold.speedup_of_medians
+    assert f"interleaved with a plain run of its own (median {own_plain:.1f} tok/s)" in report.markdown_report(loaded)
     for name in ("conditional_acceptance_a.png", "conditional_acceptance_b.png", "threshold_sweep_dspark.png",
                  "sps_curve.png", "wall_clock_speedup.png"):
         assert (tmp_path / name).stat().st_size > 0, name

@@ -144,3 +144,80 @@ def test_gamma_beyond_the_calibration_is_a_clean_error():
                                          r"less, or --verify fixed") as exit_:
         cli.main(["generate", "hi", "--gamma", "8", "--max-new-tokens", "2", "--json"])
     assert "dspark_" not in str(exit_.value.code)
+
+
+# ------------------------------------------------------------------------------------ start-up (issue 26)
+def _actions(parser):
+    """Every (command, action) of the ``dspark`` parser, the top level included."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from ((name, a) for a in sub._actions)
+        else:
+            yield "dspark", action
+
+
+def test_every_option_and_argument_has_help():
+    missing = [f"{command} {action.option_strings or action.dest}" for command, action in _actions(cli.full_parser())
+               if not action.help and action.dest != "command"]
+    assert not missing, f"options without help text: {missing}"
+
+
+def test_version(capsys):
+    from dspark_hf.defaults import __version__
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"dspark-hf {__version__}"
+
+
+STARTUP = """
+import sys
+from dspark_hf.cli.main import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exit_:
+    print("EXIT", exit_.code, "torch" in sys.modules, "transformers" in sys.modules, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize(("argv", "code"), [
+    (["--help"], 0), (["--version"], 0), (["generate", "--help"], 0), (["generate", "hi", "--gamma", "99"], 2),
+    (["generate", "   "], 2), (["bogus"], 2), (["demo", "--port", "x"], 2),
+])
+def test_help_version_and_argument_errors_import_neither_torch_nor_transformers(argv, code):
+    """What makes `dspark --help` print in a fraction of a second: nothing heavy is imported before a command runs."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", STARTUP, *argv], capture_output=True, text=True, timeout=60)
+    assert proc.stderr.splitlines()[-1] == f"EXIT {code} False False", proc.stderr
+
+
+def test_import_dspark_hf_is_cheap_and_first_use_wires_it():
+    import subprocess
+    import sys
+
+    code = ("import sys, dspark_hf; heavy = 'torch' in sys.modules; "
+            "from transformers import GenerationMixin; from dspark_hf.decoding import routing; "
+            "before = GenerationMixin._get_candidate_generator is routing._get_candidate_generator; "
+            "dspark_hf.DSparkDrafter; from transformers import AutoConfig; "
+            "print(heavy, before, GenerationMixin._get_candidate_generator is routing._get_candidate_generator, "
+            "type(AutoConfig.for_model('dspark')).__name__)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["False", "False", "True", "DSparkConfig"], proc.stderr[-2000:]
+
+    # a drafter whose class was imported from its module (dspark_hf.demo.app, scripts) wires the package when built
+    code = ("from transformers import GenerationMixin; from dspark_hf.decoding import routing; "
+            "from dspark_hf.modeling.configuration_dspark import DSparkConfig; "
+            "from dspark_hf.modeling.modeling_dspark import EXTENSIONS, DSparkDrafter; "
+            "before = GenerationMixin._get_candidate_generator is routing._get_candidate_generator; "
+            "DSparkDrafter(DSparkConfig(vocab_size=64, hidden_size=32, target_num_layers=6, target_layer_ids=[1, 3], "
+            "num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64, num_hidden_layers=1, "
+            "sequential_rank=8, mask_token_id=0)); "
+            "print(before, GenerationMixin._get_candidate_generator is routing._get_candidate_generator, "
+            "EXTENSIONS.load_calibration is not None)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["False", "True", "True"], proc.stderr[-2000:]

@@ -24,7 +24,7 @@ import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateG
 from dspark_hf import SequentialTemperatureScaling
 from dspark_hf.decoding.stats import GenerationStats, RoundStats
 from dspark_hf.demo.app import check_lookup, stream_generation
-from dspark_hf.demo.render import confidence_curve, stats_html
+from dspark_hf.demo.render import confidence_curve, curve_counts, legend_html, stats_html
 from dspark_hf.demo.transcript import (
     BONUS,
     CORRECTION,
@@ -120,13 +120,35 @@ def test_streamer_pairs_chunks_with_rounds():
     # one zero-width anchor per round with ghosts: red when something was rejected, grey when only pruned
     assert html.count('class="ghost pruned-only"') == 2 and html.count('class="ghost has-rejected"') == 1
     assert "hide-ghosts" in transcript.render(show_drafts=False)
-    assert html.count("<tr><td>") == 3 and "what happened each round (3 rounds)" in html  # the per-round table
+    table = transcript.rounds_html()  # the per-round table, in a row of its own on the page (issue 26)
+    assert "<details" not in html and table.count("<tr><td>") == 3 and "what happened each round (3 rounds)" in table
+    assert "γ (drafted)" in table and "draft / verify ms" in table  # labelled columns and units
     # position k counted where reached and verified; accepted iff n >= k
-    rows = {(r["series"], r["position"]): r for r in confidence_curve(transcript.rounds)}
+    curve = confidence_curve(transcript.rounds)
+    rows = {(r["series"], r["position"]): r for r in curve}
     assert rows["acceptance rate", 1]["value"] == pytest.approx(1.0) and rows["acceptance rate", 1]["rounds"] == 2
+    assert "k=1: 2 · k=2: 2" in curve_counts(curve) and "rest on fewer than 5 rounds" in curve_counts(curve)
     assert rows["acceptance rate", 2]["value"] == pytest.approx(0.5)
     assert rows["confidence c_k", 1]["value"] == pytest.approx(0.9)
 
+
+def test_special_tokens_are_marked_and_the_header_shows_no_absolute_path(tmp_path):
+    """Issue 26: `<|im_end|>` read as part of the answer; the header showed the drafter's absolute path."""
+    from dspark_hf.demo.app import display_name
+
+    tokenizer = word_tokenizer()
+    unk = tokenizer.convert_tokens_to_ids("<unk>")
+    assert unk in tokenizer.all_special_ids
+    transcript = Transcript(tokenizer)
+    transcript.add_chunk([tokenizer.convert_tokens_to_ids("sea"), unk], None)
+    html = transcript.render()
+    assert 'class="tok tok-target special" title="special token (target)' in html
+    assert ".tok.special::before" in legend_html() and "special" in legend_html()
+    folder = tmp_path / "my-drafter"
+    folder.mkdir()
+    model = SimpleNamespace(config=SimpleNamespace(_name_or_path=str(folder)))
+    assert display_name(model) == "my-drafter (local folder)"
+    assert display_name(SimpleNamespace(config=SimpleNamespace(_name_or_path="org/name"))) == "org/name"
 
 def test_ghost_drafts_never_break_lines_and_keep_their_spaces():
     """A rejected newline draft is drawn as ↵ inside its zero-width anchor, never as a line break."""
@@ -140,7 +162,7 @@ def test_ghost_drafts_never_break_lines_and_keep_their_spaces():
                      draft_tokens=r.draft_tokens)
     transcript.add_chunk([sea], view)
     html = transcript.render()
-    tokens_div, ghost = html.split('<details')[0], html[html.index('<span class="ghost'):]
+    tokens_div, ghost = html, html[html.index('<span class="ghost'):]
     assert tokens_div.count("\n") == 0  # no line break anywhere in the answer: accepted "sea sea" has none
     assert "↵" in ghost and " sky" in ghost and "⇥" in ghost
 
@@ -266,7 +288,7 @@ def browser_page(tiny):
     """The demo served on a free port and opened in headless Chromium: ``(page, expect)``."""
     if not (shutil.which(CHROMIUM) or Path(CHROMIUM).is_file()):
         pytest.skip(f"no Chromium at {CHROMIUM}: install Debian's `chromium` package (CI does) to run the browser test")
-    pytest.importorskip("gradio", reason="the demo needs gradio: pip install 'dspark-hf[demo]'")
+    pytest.importorskip("gradio", reason="the demo needs gradio: pip install -e '.[demo]'")
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (no browser download needed)")
     from dspark_hf.demo.app import launch
 
@@ -318,8 +340,13 @@ def test_demo_in_headless_browser(browser_page):
     ghost.locator(".dot").hover()  # the anchor itself has zero width
     expect(ghost.locator(".pop")).to_be_visible()
     expect(ghost.locator(".pop")).to_contain_text("round ")
-    page.locator("#dspark-output details.dspark-rounds summary").click()
-    expect(page.locator("#dspark-output details.dspark-rounds tr")).to_have_count(rounds + 1)  # + header
+    page.locator("#dspark-rounds details.dspark-rounds summary").click()
+    expect(page.locator("#dspark-rounds details.dspark-rounds tr")).to_have_count(rounds + 1)  # + header
+    # issue 26: the table has the page's width to itself, and every column fits in it without scrolling
+    width = page.evaluate("() => [document.querySelector('#dspark-rounds .dspark-rounds').scrollWidth, "
+                          "document.querySelector('#dspark-rounds .dspark-rounds').clientWidth, window.innerWidth]")
+    assert width[0] <= width[1] and width[1] > 0.8 * width[2], width
+    expect(page.locator("#dspark-plot-counts")).to_contain_text("k=1: ")  # how many rounds each point averages
     assert page.locator("#dspark-plot .role-legend").get_attribute("aria-label").endswith(
         "2 values: acceptance rate, confidence c_k")  # both curves drawn
     time.sleep(0.5)  # let the plot finish drawing for the screenshot

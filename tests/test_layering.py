@@ -14,6 +14,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dspark_hf"
 LAYER = {"modeling": 0, "defaults": 1, "metrics": 1, "decoding": 2, "training": 3, "evaluation": 3,
          "bench": 4, "hub": 4, "demo": 4, "cli": 5}
 MAX_LINES = 430  # "no module over ~400 lines"
+# the two places that wire the package (``dspark_hf.wire``, on the first use of a public name) from below it
+WIRING = {"cli/main.py": "the entry point, once a command runs",
+          "modeling/modeling_dspark.py": "the remote copy's bootstrap (trust_remote_code) wires the installed package"}
 
 
 def _modules():
@@ -55,6 +58,8 @@ def test_imports_point_down(path):
     unit = _unit(path)
     layer = LAYER[unit]
     for other in _imported_units(path) - {unit}:
+        if other == "<root>" and path.relative_to(PACKAGE).as_posix() in WIRING:
+            continue
         assert other != "<root>", f"{path.name} imports the package root (dspark_hf/__init__.py), the top layer"
         assert LAYER[other] < layer, f"{unit}/{path.name} (layer {layer}) imports {other} (layer {LAYER[other]})"
 
@@ -64,7 +69,7 @@ def test_modeling_is_torch_and_transformers_only():
     and transformers."""
     allowed = {"torch", "transformers", "dspark_hf"}  # dspark_hf: the remote copy's bootstrap imports modeling/ itself
     for path in (PACKAGE / "modeling").glob("*.py"):
-        assert _imported_units(path) <= {"modeling"}, path
+        assert _imported_units(path) - ({"<root>"} if path.name == "modeling_dspark.py" else set()) <= {"modeling"}, path
         for node in ast.walk(ast.parse(path.read_text())):
             roots = ([a.name.split(".")[0] for a in node.names] if isinstance(node, ast.Import)
                      else [node.module.split(".")[0]] if isinstance(node, ast.ImportFrom) and not node.level else [])

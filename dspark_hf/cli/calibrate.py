@@ -8,6 +8,10 @@ from pathlib import Path
 from ..defaults import default_drafter
 from .common import _int_in, _temperature, add_command, load_models
 
+NAME = "calibrate"
+EXTRA = "data"  # the optional dependencies it needs (pyproject.toml); dspark_hf.cli.main checks them first
+HELP = "fit Sequential Temperature Scaling (STS) on calibration rounds: calibration.json, reliability.png"
+
 
 def run(args):
     from ..decoding.calibration import SequentialTemperatureScaling, reliability_diagram
@@ -27,9 +31,8 @@ def run(args):
 
 
 def add_parser(sub):
-    p = add_command(sub, "calibrate", run, "fit Sequential Temperature Scaling on calibration rounds", drafter=True,
-                compute=True)
-    p.add_argument("--prompts", type=_int_in(1), default=40)
-    p.add_argument("--max-new-tokens", type=_int_in(1), default=128)
-    p.add_argument("--temperature", type=_temperature, default=0.0)
+    p = add_command(sub, NAME, run, HELP, drafter=True, compute=True)
+    p.add_argument("--prompts", type=_int_in(1), default=40, help="held-out ShareGPT prompts to collect rounds from (default 40)")
+    p.add_argument("--max-new-tokens", type=_int_in(1), default=128, help="new tokens per prompt (default 128)")
+    p.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default); > 0 samples at that temperature")
     return p

@@ -5,11 +5,15 @@ from __future__ import annotations
 import sys
 
 from ..defaults import DEFAULT_BENCH, DEFAULT_COMPARE
-from ..hub.card import write_card
 from .common import add_command
+
+NAME = "card"
+HELP = "write the model card (README.md), custom_generate/ and the remote code into a drafter folder"
 
 
 def run(args):
+    from ..hub.card import write_card
+
     bench = args.bench if args.bench is not None else (DEFAULT_BENCH if DEFAULT_BENCH.is_file() else None)
     compare = args.compare if args.compare is not None else (DEFAULT_COMPARE if DEFAULT_COMPARE.is_file() else None)
     try:
@@ -20,8 +24,8 @@ def run(args):
 
 
 def add_parser(sub):
-    p = add_command(sub, "card", run, "write the model card (README.md) and custom_generate/ into a drafter folder")
-    p.add_argument("model_dir")
+    p = add_command(sub, NAME, run, HELP)
+    p.add_argument("model_dir", help="the drafter folder (config.json, weights, calibration.json, training.json)")
     p.add_argument("--bench", default=None,
                    help="benchmark results JSON, e.g. from `dspark bench` (default: docs/benchmarks.json when present)")
     p.add_argument("--compare", default=None,

@@ -8,10 +8,10 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..defaults import check_local_path, default_drafter
-from ..modeling.configuration_dspark import MAX_BLOCK_SIZE
+from ..defaults import DEFAULT_CPU_THREADS, check_local_path, default_drafter
+from ..modeling.limits import MAX_BLOCK_SIZE
 
-DEFAULT_THREADS = 1  # see the README's "Threads and load": 2 threads collapse on a shared 2-core CPU
+DEFAULT_THREADS = DEFAULT_CPU_THREADS  # as load_target's in Python: one cached SPS curve for both
 GAMMA_HELP = (f"block size γ, drafts per round, 1..{MAX_BLOCK_SIZE} (default: the drafter's). The scheduler and async "
               "modes need a calibration covering γ: the shipped drafter's covers γ <= 7; fixed and threshold modes "
               f"take any γ up to {MAX_BLOCK_SIZE}")
@@ -107,7 +107,7 @@ def load_cli_target(args):
     device = getattr(args, "device", "cpu")
     stock = getattr(args, "stock_kernels", False) or device != "cpu"  # CPU kernels (linears, attention, cache)
     with loading("--target", args.target, "model", "the bundled SmolLM2-135M-Instruct"):
-        target, tokenizer = load_target(args.target, stock_kernels=stock)
+        target, tokenizer = load_target(args.target, stock_kernels=stock, threads=None)  # --threads, set by main
     return target.to(device), tokenizer
 
 

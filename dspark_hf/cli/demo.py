@@ -6,6 +6,10 @@ import sys
 
 from .common import add_command, load_models
 
+NAME = "demo"
+EXTRA = "demo"  # the optional dependencies it needs (pyproject.toml); dspark_hf.cli.main checks them first
+HELP = "serve the Gradio demo at http://127.0.0.1:7860: live token colouring, stats, side-by-side"
+
 
 def boolean(text: str) -> bool:
     """``true``/``false`` (also 1/0, yes/no, on/off) for ``--share``."""
@@ -22,7 +26,9 @@ def run(args):
     try:
         import gradio  # noqa: F401
     except ModuleNotFoundError:
-        sys.exit("The demo needs Gradio: pip install 'dspark-hf[demo]'")
+        from ..defaults import install_hint
+
+        sys.exit(f"The demo needs Gradio: {install_hint('demo')}")
     from ..demo.app import launch
 
     target, tokenizer, drafter = load_models(args)
@@ -30,8 +36,7 @@ def run(args):
 
 
 def add_parser(sub):
-    p = add_command(sub, "demo", run, "serve the Gradio demo: live token colouring, stats, side-by-side", drafter=True,
-                compute=True)
+    p = add_command(sub, NAME, run, HELP, drafter=True, compute=True)
     p.add_argument("--port", type=int, default=None, help="port (default: $GRADIO_SERVER_PORT, else 7860)")
     p.add_argument("--share", type=boolean, nargs="?", const=True, default=False, metavar="{true,false}",
                    help="create a public Gradio share link (needs network; default false)")

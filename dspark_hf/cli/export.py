@@ -6,6 +6,9 @@ import sys
 
 from .common import add_command
 
+NAME = "export"
+HELP = "write a v2 drafter as a speculators (vLLM) or DeepSpec (SGLang, SpecForge) checkpoint"
+
 
 def run(args):
     from ..hub.export import export_drafter
@@ -27,9 +30,10 @@ def run(args):
 
 
 def add_parser(sub):
-    p = add_command(sub, "export", run, "write a v2 drafter as a speculators (vLLM) or DeepSpec (SGLang, SpecForge) checkpoint")
+    p = add_command(sub, NAME, run, HELP)
     p.add_argument("drafter_dir", help="dspark-hf drafter folder or Hub id")
-    p.add_argument("--format", choices=("speculators", "deepspec"), required=True)
+    p.add_argument("--format", choices=("speculators", "deepspec"), required=True,
+                   help="speculators: vLLM; deepspec: SGLang and SpecForge")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--verifier", default=None,
                    help="speculators: the verifier's Hub id or folder the engine loads (default: the drafter's target_name_or_path)")

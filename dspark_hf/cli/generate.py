@@ -6,8 +6,11 @@ import argparse
 import json
 import sys
 
-from ..modeling.configuration_dspark import MAX_BLOCK_SIZE, VERIFICATION_MODES
+from ..modeling.limits import MAX_BLOCK_SIZE, VERIFICATION_MODES
 from .common import GAMMA_HELP, _int_in, _prompt, _temperature, add_command, check_prompt_fits, load_models
+
+NAME = "generate"
+HELP = "generate with DSpark speculative decoding (--compare: also plain generate, and the speedup)"
 
 
 def run(args):
@@ -55,7 +58,10 @@ def run(args):
         print(json.dumps(result))
         return
     summary = {k: v for k, v in result.items() if k != "text"}
+    if summary.get("identical", False) is None:  # sampling: two correct runs draw different tokens
+        summary["identical"] = "n/a (sampling is exact in law, not token for token)"
     print("\n---\n" + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+    print("(README, \"Statistics\": what each number counts)")
 
 
 def check_settings(drafter, verify: str | None, gamma: int | None, lookup: bool | None) -> None:
@@ -83,10 +89,9 @@ def check_settings(drafter, verify: str | None, gamma: int | None, lookup: bool 
 
 
 def add_parser(sub):
-    p = add_command(sub, "generate", run, "generate with DSpark speculative decoding", drafter=True, kernels=True,
-                compute=True)
-    p.add_argument("prompt", type=_prompt)
-    p.add_argument("--max-new-tokens", type=_int_in(1), default=128)
+    p = add_command(sub, NAME, run, HELP, drafter=True, kernels=True, compute=True)
+    p.add_argument("prompt", type=_prompt, help="the user message to answer (wrapped in the target's chat template)")
+    p.add_argument("--max-new-tokens", type=_int_in(1), default=128, help="new tokens at most (default 128)")
     p.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy; > 0 samples at that temperature")
     p.add_argument("--gamma", type=_int_in(1, MAX_BLOCK_SIZE), default=None, help=GAMMA_HELP)
     p.add_argument("--verify", choices=VERIFICATION_MODES, default=None, help="verification mode (default: the drafter's config.verification)")
@@ -94,5 +99,5 @@ def add_parser(sub):
                    help="draft n-gram continuations from the prompt and the text too (dspark_lookup; default: on in the "
                         "scheduler and async modes of a calibrated drafter)")
     p.add_argument("--compare", action="store_true", help="also run plain generate and report the speedup")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text and statistics) instead of streaming")
     return p

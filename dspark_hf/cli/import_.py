@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from .common import add_command
 
+NAME = "import"
+HELP = "convert a speculators or DeepSpec DSpark checkpoint into a dspark-hf drafter folder"
+
 
 def run(args):
     from ..modeling.modeling_dspark import DSparkDrafter
@@ -15,7 +18,7 @@ def run(args):
 
 
 def add_parser(sub):
-    p = add_command(sub, "import", run, "convert a speculators or DeepSpec DSpark checkpoint into a dspark-hf drafter folder")
+    p = add_command(sub, NAME, run, HELP)
     p.add_argument("checkpoint", help="checkpoint folder or Hub id")
     p.add_argument("--out", required=True, help="output folder (loadable with DSparkDrafter.from_pretrained)")
     return p

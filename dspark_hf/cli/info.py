@@ -7,6 +7,9 @@ import json
 from ..defaults import default_drafter
 from .common import add_command
 
+NAME = "info"
+HELP = "versions, default target and drafter, cache paths"
+
 
 def run(args):
     from ..decoding.machine import describe_machine
@@ -33,6 +36,6 @@ def run(args):
 
 
 def add_parser(sub):
-    p = add_command(sub, "info", run, "versions, default target and cache paths")
-    p.add_argument("--json", action="store_true")
+    p = add_command(sub, NAME, run, HELP)
+    p.add_argument("--json", action="store_true", help="print JSON instead of one line per item")
     return p

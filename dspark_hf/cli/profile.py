@@ -8,6 +8,9 @@ from pathlib import Path
 from ..defaults import default_drafter
 from .common import add_command, load_cli_target
 
+NAME = "profile"
+HELP = "measure (or show the cached) SPS curve of the target: table + PNG"
+
 
 def default_max_tokens() -> int:
     """``γ + 1`` of the shipped drafter (what its scheduler reads of the SPS curve), else 8."""
@@ -34,7 +37,12 @@ def run(args):
         print(curve.to_json())
         return
     path = sps_cache_path(target, args.context_len)
-    png = plot_sps(curve, Path(args.png) if args.png else path.with_suffix(".png"))
+    try:
+        png = plot_sps(curve, Path(args.png) if args.png else path.with_suffix(".png"))
+    except ModuleNotFoundError:  # matplotlib is an extra: the table is the answer, the plot a bonus
+        from ..defaults import install_hint
+
+        png = f"not drawn: matplotlib is missing ({install_hint('data')})"
     print(f"SPS curve of {curve.target_name or 'the target'} on {curve.device_name}, {curve.linear_kernels} kernels "
           f"(ms per verification of B tokens; {curve.observations} online refinements):")
     print(curve.table())
@@ -42,8 +50,7 @@ def run(args):
 
 
 def add_parser(sub):
-    p = add_command(sub, "profile", run, "measure (or show the cached) SPS curve of the target: table + PNG",
-                kernels=True, compute=True)
+    p = add_command(sub, NAME, run, HELP, kernels=True, compute=True)
     p.add_argument("--refresh", action="store_true", help="measure again and replace the cached curve (e.g. on a quiet machine)")
     p.add_argument("--max-tokens", type=int, default=None, help="largest B (default: the shipped drafter's γ + 1)")
     p.add_argument("--context-len", type=int, default=256, help="context of the primary row (part of the cache key)")
@@ -51,7 +58,7 @@ def add_parser(sub):
                    help="comma-separated context lengths, one row each (default: 256,1024,2048,4096 where they fit)")
     p.add_argument("--time-budget", type=float, default=25.0, help="seconds for the whole measurement (default 25)")
     p.add_argument("--png", default=None, help="where to write the plot (default: next to the cached JSON)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the curve as JSON")
     p.add_argument("--engine-table", choices=("sglang", "tensorrt-llm"), default=None,
                    help="write the curve as that engine's cost table (SGLang: --speculative-dspark-sps-table-path) to --out")
     p.add_argument("--out", default="sps_table.json", help="file for --engine-table")

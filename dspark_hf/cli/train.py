@@ -8,11 +8,13 @@ import shlex
 import sys
 from dataclasses import fields
 
-from transformers import HfArgumentParser
-
 from ..defaults import DEFAULT_TRAIN_CONFIG
-from ..training.config import TrainConfig
 from .common import add_command
+
+NAME = "train"
+EXTRA = "train"  # the optional dependencies it needs (pyproject.toml); dspark_hf.cli.main checks them first
+HELP = ("regenerate data with the target and train a drafter (on a GPU where there is one; several processes: "
+        "`accelerate launch -m dspark_hf.cli train`)")
 
 
 def run(args):
@@ -20,6 +22,7 @@ def run(args):
 
     from ..decoding.targets import load_target
     from ..modeling.configuration_dspark import spread_layer_ids
+    from ..training.config import TrainConfig
     from ..training.data import prepare_data
     from ..training.trainer import train
 
@@ -39,7 +42,7 @@ def run(args):
     # this process of `accelerate launch` / torchrun, or the only one: cuda:LOCAL_RANK where there are GPUs, else
     # the CPU (accelerate runs several processes on the CPU only when told cpu=True)
     state = PartialState(cpu=not torch.cuda.is_available())
-    target, tokenizer = load_target(args.target, stock_kernels=state.device.type != "cpu")
+    target, tokenizer = load_target(args.target, stock_kernels=state.device.type != "cpu", threads=None)  # cfg.threads
     target.to(state.device)
     if state.is_main_process and not args.train_only:  # one (resumable) regeneration; the others wait for its data
         layers = spread_layer_ids(target.config.num_hidden_layers, cfg.num_context_layers)
@@ -67,21 +70,25 @@ def _worker(text: str) -> tuple[int, int]:
 
 def config_overrides(args) -> dict:
     """The :class:`~dspark_hf.training.config.TrainConfig` fields given as flags (they override the YAML)."""
+    from ..training.config import TrainConfig
+
     return {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
 
 
 def add_parser(sub):
     """``dspark train --config FILE``, plus every :class:`~dspark_hf.training.config.TrainConfig` field as a flag
     (``HfArgumentParser``: ``--lr 1e-3``, ``--max-minutes 30``...) that overrides the file."""
+    from transformers import HfArgumentParser
+
+    from ..training.config import TrainConfig
+
     config = HfArgumentParser(TrainConfig, add_help=False)
     for action in config._actions:
         action.default = argparse.SUPPRESS  # absent unless given: the YAML value stays
         if action.dest == "loss_weights":
             action.type = json.loads  # --loss-weights '{"ce": 1.0, "tv": 0.0, "conf": 1.0}'
-    p = add_command(sub, "train", run, "regenerate data with the target and train a drafter (on a GPU where there is "
-                                       "one; several processes: `accelerate launch -m dspark_hf.cli train`)",
-                    parents=[config])
-    p.add_argument("--config", default=str(DEFAULT_TRAIN_CONFIG))
+    p = add_command(sub, NAME, run, HELP, parents=[config])
+    p.add_argument("--config", default=str(DEFAULT_TRAIN_CONFIG), help="training config YAML (default: the shipped drafter's)")
     p.add_argument("--prepare-only", action="store_true", help="only generate and cache the training data")
     p.add_argument("--train-only", action="store_true", help="train on the data already cached in the data_dir folders (no regeneration)")
     p.add_argument("--export-tokens", action="store_true",

@@ -331,14 +331,16 @@ def reliability_diagram(
         The path written.
 
     Raises:
-        ModuleNotFoundError: matplotlib is missing (``pip install matplotlib``).
+        ModuleNotFoundError: matplotlib is missing (the message names the install command).
         ValueError: malformed rounds, or ``calibration`` not fitted / too short.
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ModuleNotFoundError as err:
-        raise ModuleNotFoundError("reliability_diagram needs matplotlib: pip install 'dspark-hf[data]'") from err
+        from ..defaults import install_hint
+
+        raise ModuleNotFoundError(f"reliability_diagram needs matplotlib: {install_hint('data')}") from err
     c, n_acc = _check_rounds(confidences, accepted)
     gamma = c.shape[1]
     labels = survival_labels(n_acc, gamma)  # (N, γ)

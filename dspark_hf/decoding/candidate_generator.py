@@ -59,7 +59,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
     pass, one-hot proposal logits), the DSpark block, or lookup tokens forced as the block's first drafts.
 
     Raises:
-        ValueError: batch size > 1, an unknown verification mode, a non-``fixed`` mode without a
+        ValueError: batch size > 1 (``generate`` sends batches to :mod:`dspark_hf.decoding.concurrent`), an unknown verification mode, a non-``fixed`` mode without a
             confidence head, or ``scheduler``/``async`` mode without a calibration covering γ.
     """
 
@@ -68,8 +68,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
     def __init__(self, target, drafter: DSparkDrafter, generation_config, logits_processor, input_ids):
         if input_ids.shape[0] != 1:
             raise ValueError(
-                f"DSpark speculative decoding supports batch size 1 in `generate` (got {input_ids.shape[0]}); "
-                "call generate once per prompt."
+                f"DSparkCandidateGenerator drafts for one row (got {input_ids.shape[0]}); batches run in "
+                "dspark_hf.decoding.concurrent (target.generate routes them there)."
             )
         self.drafter = drafter.bind(target)
         if is_prepacked(target):  # the drafter runs the same CPU kernels as its target (no-op when done)

@@ -334,12 +334,13 @@ def load_or_profile_sps(
         ValueError: as :func:`profile_sps`, or a stored file of an unknown format version.
 
     Warns:
-        NoisySPSWarning: the stored or new curve is marked noisy.
+        NoisySPSWarning: the stored or new curve is marked noisy (a stored one only until it has healed online:
+            :attr:`SPSCurve.healed`).
     """
     path = sps_cache_path(target, context_len)
     curve = SPSCurve.from_json(path.read_text()) if path.is_file() else None
     if curve is not None and curve.max_tokens >= max_tokens:
-        if curve.noisy:
+        if curve.noisy and not curve.healed:  # healed: online refinement has replaced the noisy measurement
             warnings.warn(_noisy_message(curve) + f" (cached in {path})", NoisySPSWarning, stacklevel=2)
     else:
         curve = profile_sps(target, max_tokens, context_len, smooth=False, cache=True, progress=progress,

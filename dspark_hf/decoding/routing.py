@@ -10,7 +10,8 @@ Every other assistant keeps transformers' own behaviour untouched.
 * ``_validate_generation_mode``: ``dspark_*`` settings and unsupported assistant options are refused before any
   compute (:mod:`dspark_hf.decoding.settings`), the drafter is bound to the target, and a ``trust_remote_code``
   copy of the drafter class is swapped for this package's (:func:`package_drafter`);
-* ``_assisted_decoding``: a user's pre-filled cache is emptied so the whole prompt is prefilled
+* ``_assisted_decoding``: a batch of several rows goes to :func:`~dspark_hf.decoding.batch_generate.generate_batch`
+  (all rows in one ragged target forward per step); for one row, a user's pre-filled cache is emptied so the whole prompt is prefilled
   (:func:`restart_prefilled_cache`); stop strings and custom criteria see every token
   (:mod:`dspark_hf.decoding.stopping`).
 
@@ -33,6 +34,7 @@ from transformers.generation.utils import GenerationMixin
 
 from ..modeling.configuration_dspark import DSparkConfig
 from ..modeling.modeling_dspark import DSparkDrafter
+from .batch_generate import generate_batch
 from .calibration import SequentialTemperatureScaling
 from .candidate_generator import DSparkCandidateGenerator
 from .settings import (
@@ -49,7 +51,7 @@ SUPPORTED_TRANSFORMERS = ">=5.24,<6"
 _REQUIRED_PARAMETERS = {
     "_get_candidate_generator": ("generation_config", "input_ids", "logits_processor", "assistant_model"),
     "_validate_generation_mode": ("generation_mode", "generation_config", "generation_mode_kwargs"),
-    "_assisted_decoding": ("input_ids", "stopping_criteria", "generation_config", "streamer", "assistant_model"),
+    "_assisted_decoding": ("input_ids", "logits_processor", "stopping_criteria", "generation_config", "streamer", "assistant_model"),
 }
 
 
@@ -165,6 +167,10 @@ def _assisted_decoding(self, *args, **kwargs):
     call = _SIGNATURES["_assisted_decoding"].bind(self, *args, **kwargs)
     arguments = call.arguments
     drafter, criteria = arguments.get("assistant_model"), arguments["stopping_criteria"]
+    if isinstance(drafter, DSparkDrafter) and arguments["input_ids"].shape[0] > 1:  # many rows: one ragged loop
+        return generate_batch(self, drafter, arguments["input_ids"], arguments["generation_config"],
+                              arguments["logits_processor"], criteria, arguments.get("model_kwargs", {}),
+                              arguments.get("streamer"))
     if isinstance(drafter, DSparkDrafter):
         restart_prefilled_cache(arguments.get("model_kwargs", {}), arguments["input_ids"])
     if not isinstance(drafter, DSparkDrafter) or all(isinstance(c, ROUND_EXACT_CRITERIA) for c in criteria):

@@ -154,7 +154,7 @@ def schedule_global(confidences: torch.Tensor | Sequence[float], sps: Sequence[f
 
 
 def schedule_batch(
-    confidences_per_request: Sequence[torch.Tensor | Sequence[float]], sps: Sequence[float]
+    confidences_per_request: Sequence[torch.Tensor | Sequence[float]], sps: Sequence[float], early_stop: bool = True
 ) -> list[int]:
     """Per-request verification lengths ``ℓ*_1 .. ℓ*_R`` (paper §3.2.2, Algorithm 1, exactly).
 
@@ -164,10 +164,17 @@ def schedule_batch(
     at the first candidate with ``Θ = τ · SPS(B) <= Θ_best`` (``Θ_best`` starts at ``R · SPS(R)``), or
     when ``B`` would exceed ``len(sps)``.
 
+    Admission of ``(r, j)`` depends only on candidates sorted before it: request ``r``'s positions ``< j`` and
+    other requests' candidates, never on ``r``'s drafts from position ``j`` on (Appendix A), so each request
+    stays exact in law. With ``early_stop=False`` (the §5.2 global search across requests) every candidate is
+    evaluated and the best prefix of the sorted list is kept: pass it only confidences that no draft of the
+    blocks being verified depends on (the ``"async"`` mode's ``[c_1, c'_2, ..., c'_γ]``).
+
     Args:
         confidences_per_request: ``R`` conditional-confidence vectors, each of shape ``(γ_r,)`` in
             ``[0, 1]`` (tensors or sequences; ``γ_r`` may differ between requests).
         sps: steps per second with ``sps[B - 1] = SPS(B)``; needs ``len(sps) >= R``.
+        early_stop: Algorithm 1's break at the first non-improving candidate (``True``), or the global search.
 
     Returns:
         ``list[int]`` of length ``R``: ``ℓ*_r`` draft tokens to verify for request ``r``.
@@ -187,7 +194,7 @@ def schedule_batch(
     candidates = [(a_j, r, j) for r, a in enumerate(survivals) for j, a_j in enumerate(a, start=1) if a_j > 0]
     candidates.sort(key=lambda cand: cand[0], reverse=True)  # list.sort is stable
     # Phase 2: greedy admission with early stop (lines 5-15).
-    lengths = [0] * n_requests
+    lengths, admitted = [0] * n_requests, [0] * n_requests
     batch, tau = n_requests, float(n_requests)
     best = tau * table[batch - 1]
     for a_j, r, j in candidates:
@@ -195,9 +202,11 @@ def schedule_batch(
         if batch > len(table):
             break
         theta = tau * table[batch - 1]
-        if theta <= best:
+        admitted[r] = j
+        if theta > best:
+            best, lengths = theta, list(admitted)
+        elif early_stop:
             break
-        best, lengths[r] = theta, j
     return lengths
 
 

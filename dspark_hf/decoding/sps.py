@@ -16,6 +16,9 @@ DEFAULT_CONTEXTS = (256, 1024, 2048, 4096)  # context lengths profiled by defaul
 REL_TOL = 0.05  # stop sweeping once every median is known to ±5 % (95 % confidence)
 NOISY_SPREAD = 0.15  # a curve whose medians are still wider than ±15 % is marked noisy
 ONLINE_WEIGHT = 0.1  # EMA weight of one observed verification time (in log-milliseconds)
+# a size observed this often weighs its measured value < 10 % ((1 - ONLINE_WEIGHT) ** 22 = 0.098): see SPSCurve.healed
+HEALED_AFTER = math.ceil(math.log(0.1) / math.log(1 - ONLINE_WEIGHT))
+HEALED_SHARE = 0.05  # the sizes that count for healing: those of at least 5 % of the observed verifications
 NEIGHBOUR_DECAY = 0.7  # an observation at B moves SPS(B ± d) with weight ONLINE_WEIGHT · NEIGHBOUR_DECAY**d
 ENGINE_TABLES = ("sglang", "tensorrt-llm")  # SPSCurve.engine_table formats
 
@@ -93,6 +96,16 @@ class SPSCurve:
     def max_tokens(self) -> int:
         """Largest ``B`` covered by the curve."""
         return len(self.steps_per_s)
+
+    @property
+    def healed(self) -> bool:
+        """Whether online refinement has replaced the measurement where rounds use the curve: every size ``B``
+        behind at least ``HEALED_SHARE`` of the observed verifications (all context rows together) was observed
+        ``HEALED_AFTER`` times, so its measured value weighs < 10 % of the estimate (:meth:`observe`). A noisy
+        curve that has healed no longer warns (:func:`~dspark_hf.decoding.profiling.load_or_profile_sps`)."""
+        per_size = [sum(row[b] for row in self.counts.values()) for b in range(self.max_tokens)]
+        used = [n for n in per_size if n > 0 and n >= HEALED_SHARE * self.observations]
+        return bool(used) and min(used) >= HEALED_AFTER
 
     @property
     def rows(self) -> dict[int, list[float]]:
@@ -229,7 +242,10 @@ class SPSCurve:
         head = "    B" + "".join(f"{f'ctx {k} ms':>13}" for k in rows)
         lines = [head] + [f"{b:5d}" + "".join(f"{1e3 / r[b - 1]:13.1f}" for r in rows.values())
                           for b in range(1, self.max_tokens + 1)]
-        if self.noisy:
+        if self.noisy and self.healed:
+            lines.append(f"measured noisy (±{100 * self.spread:.0f} %), healed since by {self.observations} online "
+                         "refinements")
+        elif self.noisy:
             lines.append(f"noisy: medians known only to ±{100 * self.spread:.0f} % (re-profile on a quieter machine)")
         return "\n".join(lines)
 

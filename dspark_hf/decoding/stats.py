@@ -85,12 +85,14 @@ class GenerationStats:
         return torch.tensor([r.confidences for r in keep]), torch.tensor([r.accepted for r in keep])
 
     def token_sources(self) -> dict[str, int]:
-        """Where the tokens of the recorded rounds came from: accepted ``lookup`` drafts, accepted ``dspark``
-        drafts, and the ``target``'s own token of each round (bonus or correction, and the token of a last round
-        with no room to draft). The prefill's first token is not a round: the sources sum to ``new_tokens - 1``."""
+        """Where every generated token came from; the counts sum to :attr:`new_tokens`.
+
+        ``prefill``: the first token, from the target's prefill (1; no round produced it); ``lookup`` and ``dspark``:
+        accepted drafts of each kind; ``target``: the target's own token of each round (bonus or correction, and the
+        token of a last round with no room to draft), one per round."""
         lookup = sum(min(r.accepted, r.lookup) for r in self.rounds)
         accepted = sum(r.accepted for r in self.rounds)
-        return dict(lookup=lookup, dspark=accepted - lookup, target=len(self.rounds))
+        return dict(prefill=1, lookup=lookup, dspark=accepted - lookup, target=len(self.rounds))
 
     def as_dict(self) -> dict:
         return dict(
@@ -102,3 +104,58 @@ class GenerationStats:
             verify_ms=sum(r.verify_ms for r in self.rounds),
             per_round=[r.__dict__ for r in self.rounds],
         )
+
+
+@dataclass
+class StepStats:
+    """One target forward of a :class:`ConcurrentDecoder`.
+
+    Attributes:
+        requests: requests in the forward.
+        batch_tokens: ``B``, tokens verified (or prefilled) in it.
+        prefill: whether it prefilled newly admitted requests.
+        lengths: ``ℓ_r`` per request (empty for a prefill).
+        draft_ms / verify_ms / step_ms: the drafter passes, the target forward, the whole step (ms).
+        predicted_ms: the step time :class:`~dspark_hf.decoding.batch_costs.StepCosts` predicted before the
+            forward (0 without a cost model, i.e. outside the scheduled modes, and for a prefill).
+        drafted: requests the drafter ran for (the scheduled modes draft for none, or one as a probe, when plain
+            decoding is expected to win; :class:`~dspark_hf.decoding.batch_costs.DraftGate`).
+    """
+
+    requests: int
+    batch_tokens: int
+    prefill: bool
+    lengths: list[int] = field(default_factory=list)
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    step_ms: float = 0.0
+    predicted_ms: float = 0.0
+    drafted: int = 0
+
+
+@dataclass
+class BatchStats:
+    """What a batched or concurrent call records (:mod:`dspark_hf.decoding.concurrent`): one :class:`GenerationStats` per request (``rows[i]``, also
+    ``stats[i]``), one :class:`StepStats` per target forward, and each request's seconds from its admission to its
+    last token (``request_s[i]``; 0 while it runs)."""
+
+    rows: list[GenerationStats] = field(default_factory=list)
+    steps: list[StepStats] = field(default_factory=list)
+    request_s: list[float] = field(default_factory=list)
+
+    def __getitem__(self, index: int) -> GenerationStats:
+        return self.rows[index]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per round over every request's rounds (bonus included)."""
+        return tau([r.accepted for row in self.rows for r in row.rounds]) or 0.0
+
+    @property
+    def mean_verified(self) -> float:
+        """Mean verification budget per request and step, ``1 + ℓ̄`` (paper Fig. 8)."""
+        lengths = [n for step in self.steps if not step.prefill for n in step.lengths]
+        return 1.0 + sum(lengths) / len(lengths) if lengths else 0.0

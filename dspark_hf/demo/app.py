@@ -4,7 +4,7 @@
 transcript is :mod:`dspark_hf.demo.transcript`, its rendering :mod:`dspark_hf.demo.render`.
 
 Nothing here imports gradio at module level: ``import dspark_hf.demo`` stays cheap and the
-``demo`` extra (``pip install 'dspark-hf[demo]'``) is needed only to build or launch the app.
+``demo`` extra (``pip install -e '.[demo]'`` in a clone) is needed only to build or launch the app.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import queue
 import threading
 import time
+from pathlib import Path
 
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
@@ -21,7 +22,7 @@ from ..decoding.lookup import lookup_enabled
 from ..decoding.targets import chat_ids
 from ..decoding.verification import runnable_modes, unmet_need
 from ..modeling.configuration_dspark import MAX_BLOCK_SIZE, VERIFICATION_MODES
-from .render import PLOT_COLORS, POSITION_ORDER, confidence_curve, gamma_limits, legend_html, stats_html
+from .render import PLOT_COLORS, POSITION_ORDER, confidence_curve, curve_counts, gamma_limits, legend_html, stats_html
 from .transcript import RoundStreamer, StopOnEvent, Transcript, show_ghosts
 
 
@@ -123,8 +124,13 @@ def stream_generation(target, tokenizer, prompt_ids: list[int], max_new_tokens: 
 
 
 # ---------------------------------------------------------------------------------------- app
-def _name(model) -> str:
-    return getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "") or type(model).__name__
+def display_name(model) -> str:
+    """How the page names a model: its Hub id, or for a local folder the folder's name (never an absolute path)."""
+    name = str(getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "") or "")
+    if not name:
+        return type(model).__name__
+    path = Path(name).expanduser()
+    return f"{path.name} (local folder)" if path.is_absolute() or path.is_dir() else name
 
 
 def build_app(target, tokenizer, drafter, *, title: str = "DSpark speculative decoding", max_new_tokens: int = 128,
@@ -143,7 +149,8 @@ def build_app(target, tokenizer, drafter, *, title: str = "DSpark speculative de
         ``gradio.Blocks``. Element ids for scripting: ``dspark-prompt``, ``dspark-run``, ``dspark-stop``,
         ``dspark-max-new``, ``dspark-temperature``, ``dspark-gamma``, ``dspark-mode``, ``dspark-threshold``,
         ``dspark-side``, ``dspark-ghosts``, ``dspark-output``, ``dspark-baseline``, ``dspark-stats`` (cards
-        ``[data-stat=tau|tokens_per_s|rounds|speedup|...] .v``), ``dspark-plot``, ``dspark-status``.
+        ``[data-stat=tau|tokens_per_s|rounds|speedup|...] .v``), ``dspark-plot``, ``dspark-plot-counts``,
+        ``dspark-rounds`` (the per-round table, in a row of its own), ``dspark-status``.
     """
     import gradio as gr
 
@@ -154,8 +161,7 @@ def build_app(target, tokenizer, drafter, *, title: str = "DSpark speculative de
     if drafter.calibration is None:
         note = ("This drafter has no calibration.json, so the confidence scheduler is unavailable; "
                 f"verification defaults to **{mode0}**.")
-    drafter_name = html.escape(str(drafter.name_or_path or "in-memory"))
-    info = (f"Target **{html.escape(_name(target))}** · drafter **{drafter_name}**"
+    info = (f"Target **{html.escape(display_name(target))}** · drafter **{html.escape(display_name(drafter))}**"
             f" (γ={drafter.config.block_size}, {drafter.config.sequential_head} head,"
             f" calibration: {'yes' if drafter.calibration is not None else 'no'})")
 
@@ -167,42 +173,45 @@ def build_app(target, tokenizer, drafter, *, title: str = "DSpark speculative de
         greedy = float(temperature) <= 0
         idle = '<div class="dspark-tokens"><i>side-by-side is off</i></div>'
 
-        def frame(result, base, plot, status):
+        def frame(result, base, curve, status):
+            """One update of the outputs; ``curve``: rows of :func:`confidence_curve`, or ``None`` to keep the plot."""
             full = result.render(True) if result is not None else ""
             shown = show_ghosts(full, show_drafts)
             base_html = base.render() if base is not None else ("" if side_by_side else idle)
-            return shown, full, base_html, stats_html(result, base, greedy), plot, status
+            table = result.rounds_html() if result is not None else ""
+            plot, counts = (gr.skip(), gr.skip()) if curve is None else (_plot_frame(curve), curve_counts(curve))
+            return shown, full, base_html, stats_html(result, base, greedy), plot, status, table, counts
 
         problem = (check_mode(drafter, mode, int(gamma)) or check_lookup(drafter, lookup, int(gamma))
                    or (None if prompt and prompt.strip() else "Type a prompt first."))
         if problem:
-            yield frame(None, None, _plot_frame([]), f"⚠️ {problem}")
+            yield frame(None, None, [], f"⚠️ {problem}")
             return
         stop.clear()
         ids = chat_ids(tokenizer, prompt)
         settings = dict(dspark_block_size=int(gamma), dspark_verification=mode, dspark_threshold=float(threshold),
                         dspark_lookup=bool(lookup))
         status = f"Generating with DSpark ({mode}, γ={int(gamma)})…"
-        yield frame(Transcript(tokenizer), None, _plot_frame([]), status)
+        yield frame(Transcript(tokenizer), None, [], status)
         last_plot, result = 0.0, None
         for result in stream_generation(target, tokenizer, ids, int(max_new), float(temperature), drafter, stop,
                                         interval, **settings):
-            plot = gr.skip()
+            curve = None
             if time.perf_counter() - last_plot > 1.0 or result.seconds is not None:  # plots are slow to redraw
-                plot, last_plot = _plot_frame(confidence_curve(result.rounds, drafter.calibration)), time.perf_counter()
-            yield frame(result, None, plot, status)
+                curve, last_plot = confidence_curve(result.rounds, drafter.calibration), time.perf_counter()
+            yield frame(result, None, curve, status)
         if result.error:
-            yield frame(result, None, gr.skip(), f"❌ {result.error}")
+            yield frame(result, None, None, f"❌ {result.error}")
             return
         done = f"DSpark: {result.new_tokens} tokens in {result.seconds:.2f} s."
         if not side_by_side or stop.is_set():
-            yield frame(result, None, gr.skip(), done)
+            yield frame(result, None, None, done)
             return
         status, base = done + " Running plain `generate` for comparison…", None
         for base in stream_generation(target, tokenizer, ids, int(max_new), float(temperature), None, stop, interval):
-            yield frame(result, base, gr.skip(), status)
+            yield frame(result, base, None, status)
         final = done + f" Plain `generate`: {base.new_tokens} tokens in {base.seconds:.2f} s."
-        yield frame(result, base, gr.skip(), final + (f" ❌ {base.error}" if base.error else ""))
+        yield frame(result, base, None, final + (f" ❌ {base.error}" if base.error else ""))
 
     def rerender(rendered, show_drafts):
         return show_ghosts(rendered, show_drafts) if rendered else gr.skip()
@@ -256,8 +265,11 @@ def build_app(target, tokenizer, drafter, *, title: str = "DSpark speculative de
                                    x_title="draft position k", y_title="probability",
                                    title=plot_title, elem_id="dspark-plot",
                                    height=260)
+                counts = gr.HTML(curve_counts([]), elem_id="dspark-plot-counts")
+        with gr.Row():  # the whole page width: every column of the per-round table readable
+            rounds = gr.HTML("", elem_id="dspark-rounds")
         state = gr.State(None)
-        outputs = [output, state, baseline, stats, plot, status]
+        outputs = [output, state, baseline, stats, plot, status, rounds, counts]
         inputs = [prompt, max_new, temperature, gamma, mode, threshold, side, ghosts, lookup]
         go.click(run, inputs, outputs, concurrency_limit=1, concurrency_id="generate")
         prompt.submit(run, inputs, outputs, concurrency_limit=1, concurrency_id="generate")

@@ -33,7 +33,9 @@ CSS = """
 .tok-correction { background: #ffc98f; }
 .tok-target { background: #dcdff5; }
 .tok-plain { background: #eceff3; }
-.tok.special { font-style: italic; opacity: 0.8; }
+.tok.special { font-size: 11px; color: #4a4f57; background: #eef0f3 !important; border: 1px solid #9aa0a8;
+  border-radius: 8px; padding: 0 5px; }
+.tok.special::before { content: "special "; font-style: italic; color: #7a7f87; }
 .dspark-tokens.hide-ghosts .ghost { display: none; }
 /* a round's rejected / unverified drafts: a zero-width anchor, so they never move the answer's text */
 .ghost { position: relative; display: inline-block; width: 0; height: 1em; vertical-align: baseline; }
@@ -47,10 +49,13 @@ CSS = """
 .ghost:hover .pop { display: block; }
 .tok-rejected { color: #c62828; text-decoration: line-through; background: #fde3e3; }
 .tok-pruned { color: #7a7f87; border: 1px dashed #a8adb5; background: #f5f6f8; }
-.dspark-rounds { font-size: 12px; margin-top: 6px; max-width: 100%; max-height: 24em; overflow: auto; }
-.dspark-rounds table { border-collapse: collapse; }
+.dspark-rounds { font-size: 12px; margin-top: 6px; max-width: 100%; max-height: 32em; overflow: auto; }
+.dspark-rounds summary { font-size: 13px; cursor: pointer; }
+.dspark-plot-counts { font-size: 12px; color: #444; }
+.dspark-rounds table { border-collapse: collapse; width: 100%; }
 .dspark-rounds td, .dspark-rounds th { padding: 1px 6px; border-bottom: 1px solid #eceff3; text-align: left;
   font-family: ui-monospace, monospace; white-space: pre; }
+.dspark-rounds td.drafts { white-space: pre-wrap; word-break: break-word; }  /* the one wide column wraps */
 .dspark-rounds .c-accepted { color: #1b7a33; }
 .dspark-rounds .c-rejected { color: #c62828; text-decoration: line-through; }
 .dspark-rounds .c-pruned { color: #7a7f87; }
@@ -104,6 +109,19 @@ def confidence_curve(rounds: list[RoundView], calibration=None) -> list[dict]:
     return rows
 
 
+def curve_counts(rows: list[dict]) -> str:
+    """HTML under the confidence plot: how many rounds each position's points average (a rate from one or two
+    rounds is mostly noise)."""
+    counts = {r["position"]: r["rounds"] for r in rows if r["series"] == ACCEPTANCE}
+    if not counts:
+        return '<div class="dspark-plot-counts">No verified drafts yet.</div>'
+    shown = " · ".join(f"k={k}: {n}" for k, n in sorted(counts.items()))
+    few = sorted(k for k, n in counts.items() if n < 5)
+    warn = (f" Position{'s' * (len(few) > 1)} {', '.join(map(str, few))} rest{'s' * (len(few) == 1)} on fewer than 5 "
+            "rounds." if few else "")
+    return f'<div class="dspark-plot-counts">Rounds behind each point (verified position k reached): {shown}.{warn}</div>'
+
+
 def gamma_limits(drafter) -> str:
     """Which γ each verification mode accepts with ``drafter`` (scheduler/async: at most its calibrated positions)."""
     calibrated = len(drafter.calibration.temperatures) if drafter.calibration is not None else 0
@@ -130,13 +148,15 @@ def stats_html(run: Transcript | None, baseline: Transcript | None = None, greed
     if rounds:
         verified = sum(r.scheduled for r in rounds) / max(sum(r.drafted for r in rounds), 1)
         accepted = sum(r.accepted for r in rounds) / max(sum(r.scheduled for r in rounds), 1)
-        cards += [_stat("verified", verified, "verified ℓ/γ"), _stat("acceptance", accepted, "accepted / verified")]
+        cards += [_stat("verified", verified, "share verified (ℓ / γ)"),
+                  _stat("acceptance", accepted, "share accepted (of verified)")]
         if any(r.lookup for r in rounds):
             cards.append(_stat("from_lookup", sum(min(r.accepted, r.lookup) for r in rounds), "tokens from lookup"))
         if run.seconds is not None:  # timings are final once the generation has ended
             draft = sum(getattr(r.stats, "draft_ms", 0.0) for r in rounds)
             verify = sum(getattr(r.stats, "verify_ms", 0.0) for r in rounds)
-            cards += [_stat("draft_ms", draft, "draft ms"), _stat("verify_ms", verify, "verify ms")]
+            cards += [_stat("draft_ms", draft, "ms drafting (all rounds)"),
+                      _stat("verify_ms", verify, "ms verifying (all rounds)")]
     if baseline is not None:
         cards.append(_stat("baseline_tokens_per_s", baseline.tokens_per_s(), "tokens / s (plain)"))
         if baseline.seconds is not None and run.seconds is not None:
@@ -147,6 +167,10 @@ def stats_html(run: Transcript | None, baseline: Transcript | None = None, greed
     return '<div class="dspark-stats">' + "".join(cards) + "</div>"
 
 
+SPECIAL_ITEM = ("<li><b>special</b> (grey pill): a special token such as <code>&lt;|im_end|&gt;</code>, the end of "
+                "the answer; the decoded text leaves it out</li>")
+
+
 def legend_html() -> str:
     items = "".join(
         f'<span title="{html.escape(tip, quote=True)}"><span class="tok tok-{kind}">{name}</span></span>'
@@ -154,6 +178,6 @@ def legend_html() -> str:
     )
     rows = "".join(f"<li><b>{name}</b>: {html.escape(tip)}</li>" for _, name, tip in LEGEND)
     return (f"<style>{CSS}</style><div class=\"dspark-legend\">{items}</div>"
-            f'<details style="font-size:12px;color:#444"><summary>what the colours mean</summary><ul>{rows}</ul>'
+            f'<details style="font-size:12px;color:#444"><summary>what the colours mean</summary><ul>{rows}{SPECIAL_ITEM}</ul>'
             "<p>Hover a token for its round, draft position and confidence. Ghost drafts are drawn small and"
             " raised, right after the target token of their round.</p></details>")

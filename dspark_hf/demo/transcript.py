@@ -241,8 +241,9 @@ class Transcript:
         return tau([r.accepted for r in self.rounds])
 
     def render(self, show_drafts: bool = True, placeholder: str = "") -> str:
-        """HTML of the coloured answer: a ``.dspark-tokens`` div of ``.tok.tok-<kind>`` spans, then the
-        per-round table (:meth:`rounds_html`).
+        """HTML of the coloured answer: a ``.dspark-tokens`` div of ``.tok.tok-<kind>`` spans (the per-round table
+        is :meth:`rounds_html`, shown in a row of its own). Special tokens (``<|im_end|>``…) keep their text but are
+        drawn as a grey pill marked "special", since the decoded answer drops them.
 
         The accepted text flows as text, exactly as the decoded answer reads. Each round's rejected and
         unverified drafts become one zero-width ``.ghost`` anchor after the round's target token: a red
@@ -266,9 +267,10 @@ class Transcript:
             cls = f"tok tok-{s.kind}" + (" special" if s.special else "")
             word = s.text.lstrip(" ") or s.text  # leading spaces stay uncoloured (no empty boxes at line ends)
             lead = s.text[: len(s.text) - len(word)]
-            parts.append(f'{lead}<span class="{cls}" title="{_title(s, s.kind)}">{_esc(word)}</span>')
+            label = f"special token ({s.kind})" if s.special else s.kind
+            parts.append(f'{lead}<span class="{cls}" title="{_title(s, label)}">{_esc(word)}</span>')
         body = "".join(parts) or f'<span class="placeholder">{html.escape(placeholder)}</span>'
-        return show_ghosts(f'<div class="dspark-tokens">{body}</div>', show_drafts) + self.rounds_html()
+        return show_ghosts(f'<div class="dspark-tokens">{body}</div>', show_drafts)
 
     @staticmethod
     def _ghost_html(group: list[TokenSpan], view: RoundView | None) -> str:
@@ -306,9 +308,11 @@ class Transcript:
             text = "".join(f'<span class="c-{"accepted" if s.kind == DRAFT else s.kind}">{_visible(s.text)}</span>'
                            for s in drafts if s.token_id is not None)
             target = f"{outcome.kind}: {_visible(outcome.text)}" if outcome is not None else "(EOS or budget)"
+            timing = (f"{r.stats.draft_ms:.1f} / {r.stats.verify_ms:.1f}" if hasattr(r.stats, "verify_ms") else "–")
             rows.append(f"<tr><td>{r.index}</td><td>{r.drafted}</td><td>{r.scheduled}</td><td>{r.accepted}</td>"
-                        f"<td>{target}</td><td>{confs}</td><td>{text}</td></tr>")
-        head = "<tr><th>round</th><th>γ</th><th>ℓ</th><th>accepted</th><th>target token</th><th>c_k</th><th>drafts</th></tr>"
+                        f"<td>{target}</td><td>{confs}</td><td class=\"drafts\">{text}</td><td>{timing}</td></tr>")
+        head = ("<tr><th>round</th><th>γ (drafted)</th><th>ℓ (verified)</th><th>accepted</th><th>target token</th>"
+                "<th>confidence c_k per draft</th><th>drafts</th><th>draft / verify ms</th></tr>")
         return (f'<details class="dspark-rounds"><summary>what happened each round ({len(self.rounds)} rounds)</summary>'
                 f"<table>{head}{''.join(rows)}</table></details>")
 

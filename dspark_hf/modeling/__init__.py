@@ -1,7 +1,3 @@
-"""The drafter itself: config, backbone, heads and model. torch + transformers only; these files are exactly the
-remote code a drafter's Hub repo ships for ``trust_remote_code`` (``dspark card`` writes them)."""
-
-from .configuration_dspark import DSparkConfig
-from .modeling_dspark import DSparkDrafter
-
-__all__ = ["DSparkConfig", "DSparkDrafter"]
+"""The drafter itself: config (``configuration_dspark``), backbone, heads and model (``modeling_dspark``). torch +
+transformers only; these files are exactly the remote code a drafter's Hub repo ships for ``trust_remote_code``
+(``dspark card`` writes them). Nothing is imported here, so ``limits`` can be read without torch."""

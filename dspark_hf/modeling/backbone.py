@@ -58,11 +58,13 @@ class DSparkAttention(nn.Module):
         k, _ = apply_rotary_pos_emb(k, k, cos, sin)
         return k, v
 
-    def forward(self, x, cos, sin, context_kv, anchors=None):
+    def forward(self, x, cos, sin, context_kv, anchors=None, context_mask=None):
         """``x`` ``[B, q, d]`` block states attend to ``context_kv`` and to their own block.
 
         With ``anchors`` ``[B, A]`` (training), ``x`` packs ``A`` blocks of ``γ = q / A`` positions:
         block ``b`` sees context positions ``< anchors[:, b]`` and its own γ positions only.
+        ``context_mask`` ``[B, n]`` (bool, inference): which context positions each row sees (rows of several
+        requests with padded contexts, :meth:`~dspark_hf.modeling.modeling_dspark.DSparkDrafter.draft_many`).
         """
         q = self._heads(self.q_proj(x), self.num_heads, self.q_norm)
         q, _ = apply_rotary_pos_emb(q, q, cos, sin)
@@ -70,7 +72,11 @@ class DSparkAttention(nn.Module):
         if anchors is None:
             k = torch.cat([context_kv[0], k], dim=2)
             v = torch.cat([context_kv[1], v], dim=2)
-            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=self.num_kv_heads != self.num_heads)
+            mask = None
+            if context_mask is not None:  # [B, n] -> [B, 1, 1, n + q]: the own block is always visible
+                own = context_mask.new_ones(context_mask.shape[0], x.shape[1])
+                mask = torch.cat([context_mask, own], dim=-1)[:, None, None]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
         else:
             out = self._packed_attention(q, *context_kv, k, v, anchors)
         return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
@@ -104,6 +110,6 @@ class DSparkLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(llama)
 
-    def forward(self, x, cos, sin, context_kv, anchors=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, anchors)
+    def forward(self, x, cos, sin, context_kv, anchors=None, context_mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, anchors, context_mask)
         return x + self.mlp(self.post_attention_layernorm(x))

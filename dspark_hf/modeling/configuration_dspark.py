@@ -7,10 +7,10 @@ import numbers
 
 from transformers import PreTrainedConfig
 
+from .limits import MAX_BLOCK_SIZE, VERIFICATION_MODES
+
 SEQUENTIAL_HEADS = ("none", "markov", "rnn")
-VERIFICATION_MODES = ("scheduler", "async", "fixed", "threshold")
 SCHEDULED_MODES = ("scheduler", "async")  # modes that read calibrated confidences and the SPS curve
-MAX_BLOCK_SIZE = 16
 DSPARK_VERSIONS = (1, 2)  # 1: no QK-norm, learned mask embedding; 2: the reference DSpark architecture
 POSITIVE_INT_FIELDS = (  # DSparkConfig fields that are sizes or counts
     "vocab_size", "hidden_size", "target_num_layers", "num_hidden_layers", "num_attention_heads",

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
@@ -23,6 +22,7 @@ from transformers.utils.hub import cached_file
 
 from .backbone import DSparkLayer, _llama_config
 from .configuration_dspark import DSparkConfig
+from .drafting import pad_contexts, sample_blocks
 from .heads import ConfidenceHead, MarkovHead, RNNHead
 from .outputs import DraftBlock, DraftContext, DraftOutput
 from .target_checks import check_row_independent, lm_head_weight
@@ -76,6 +76,7 @@ class DSparkDrafter(PreTrainedModel):
 
     def __init__(self, config: DSparkConfig):
         config.check_mask_token()  # v2: the mask slots' token (a config alone may leave it unset)
+        _wire_package()  # the first drafter of a process routes generate (dspark_hf.wire), however it was imported
         super().__init__(config)
         self.calibration = None  # STS of the confidences, §3.2.1 (dspark_hf.decoding.calibration)
         self.last_stats = None  # per-round statistics of the last generate() call
@@ -247,15 +248,16 @@ class DSparkDrafter(PreTrainedModel):
         cos, sin = self.rotary_emb(h, positions)
         return [layer.self_attn.key_values(h, cos, sin) for layer in self.layers]
 
-    def backbone(self, block_embeds, positions, context_kv, anchors=None) -> torch.Tensor:
+    def backbone(self, block_embeds, positions, context_kv, anchors=None, context_mask=None) -> torch.Tensor:
         """Parallel stage: ``block_embeds`` ``[B, q, d]`` at ``positions`` ``[B, q]`` -> ``h`` ``[B, q, d]``.
 
-        ``anchors`` ``[B, A]`` switches to packed training blocks (see ``DSparkAttention.forward``).
+        ``anchors`` ``[B, A]`` switches to packed training blocks (see ``DSparkAttention.forward``);
+        ``context_mask`` ``[B, n]`` marks each row's real context positions (padded contexts of several requests).
         """
         cos, sin = self.rotary_emb(block_embeds, positions)
         x = block_embeds
         for layer, kv in zip(self.layers, context_kv):
-            x = layer(x, cos, sin, kv, anchors)
+            x = layer(x, cos, sin, kv, anchors, context_mask)
         return self.norm(x)
 
     def block_embeddings(self, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -362,68 +364,54 @@ class DSparkDrafter(PreTrainedModel):
         """
         gamma = block_size or self.config.block_size
         device = self.context_proj.weight.device
-        forced = forced_tokens.reshape(-1).to(device) if forced_tokens is not None else None
-        n_forced = forced.numel() if forced is not None else 0
-        if n_forced >= gamma:
-            raise ValueError(f"forced_tokens must leave a position to draft: {n_forced} forced, block size {gamma}")
+        if forced_tokens is not None and forced_tokens.numel() >= gamma:
+            raise ValueError(f"forced_tokens must leave a position to draft: {forced_tokens.numel()} forced, "
+                             f"block size {gamma}")
         anchor_t = torch.tensor([anchor], device=device)
         positions = torch.arange(context.length, context.length + gamma, device=device)[None]
-        hidden = self.backbone(self.block_embeddings(anchor_t, gamma), positions, context.layers)[0]  # [γ, d]
-        base = self.base_logits(hidden)  # [γ, V']
-        state = self.sequential.initial_state(hidden[0]) if isinstance(self.sequential, RNNHead) else None
-        ids = prefix_ids if prefix_ids is not None else anchor_t[None]
-        processors = logits_processor if logits_processor is not None and len(logits_processor) > 0 else None
-        full_vocab = do_sample or processors is not None
-        prev, tokens, logits, confs = anchor_t[0], [], [], []
-        for k in range(gamma):
-            emb = self.token_embedding(prev) if self.token_table is not None else None
-            row = base[k]
-            if isinstance(self.sequential, MarkovHead):
-                row = row + self.sequential(emb)
-            elif isinstance(self.sequential, RNNHead):
-                state, bias = self.sequential(state, emb, hidden[k])
-                row = row + bias
-            if k < n_forced:
-                prev = forced[k]
-                if full_vocab:
-                    logits.append(F.one_hot(prev, self.config.vocab_size).float().log())
-            elif full_vocab:  # float32 in every dtype: the q sampled from is softmax of the very row returned
-                full = row.new_full((self.config.vocab_size,), float("-inf"), dtype=torch.float32)
-                full[self.draft_vocab] = row.float()
-                if processors is not None:
-                    full = processors(ids, full[None])[0]
-                prev = torch.multinomial(full.softmax(-1), 1, generator=generator)[0] if do_sample else full.argmax()
-                logits.append(full)
-            else:
-                prev = self.draft_vocab[row.argmax()]
-            if self.confidence is not None:
-                confs.append(torch.sigmoid(self.confidence(hidden[k], emb)))
-            tokens.append(prev)
-            if processors is not None:
-                ids = torch.cat([ids, prev.view(1, 1)], dim=-1)
-        return DraftBlock(
-            tokens=torch.stack(tokens),
-            logits=torch.stack(logits) if logits else None,
-            confidences=torch.stack(confs) if confs else None,
-        )
+        hidden = self.backbone(self.block_embeddings(anchor_t, gamma), positions, context.layers)  # [1, γ, d]
+        return sample_blocks(self, hidden, anchor_t, do_sample, logits_processor,
+                             [prefix_ids] if prefix_ids is not None else None, generator, forced_tokens)[0]
+
+    @torch.no_grad()
+    def draft_many(self, contexts: list[DraftContext], anchors: list[int], block_size: int | None = None,
+                   do_sample=False, logits_processor=None, prefix_ids: list[torch.Tensor] | None = None,
+                   generator=None) -> list[DraftBlock]:
+        """One block for each of ``R`` requests in ONE backbone pass (their contexts padded to the longest and
+        masked), then each request's heads left to right as in :meth:`draft`.
+
+        Args:
+            contexts / anchors: each request's context cache (non-empty) and anchor id.
+            prefix_ids: each request's ``[1, L_r]`` ids when ``logits_processor`` is given.
+            block_size / do_sample / logits_processor / generator: as :meth:`draft`.
+
+        Returns:
+            ``list[DraftBlock]``, one per request, as :meth:`draft` returns it.
+        """
+        gamma = block_size or self.config.block_size
+        device = self.context_proj.weight.device
+        layers, mask = pad_contexts(contexts)
+        anchor_t = torch.tensor(anchors, device=device)
+        positions = torch.stack([torch.arange(c.length, c.length + gamma, device=device) for c in contexts])
+        hidden = self.backbone(self.block_embeddings(anchor_t, gamma), positions, layers, context_mask=mask)
+        return sample_blocks(self, hidden, anchor_t, do_sample, logits_processor, prefix_ids, generator)
 
 
-
-def _route_remote_copy() -> None:
-    """This file also ships with each drafter for ``trust_remote_code`` (``dspark card`` writes it with
-    ``save_pretrained``). Loaded that way, import the installed package's copy of this module: that imports
-    ``dspark_hf``, which routes ``target.generate(assistant_model=drafter)`` as after ``import dspark_hf``, and
-    this copy then shares its extensions (``calibration.json``, kernels)."""
+def _wire_package() -> None:
+    """Wire the installed ``dspark_hf`` once (``dspark_hf.wire``: Auto classes, :data:`EXTENSIONS`, ``generate``
+    routing), whichever path imported this class: when a drafter is built, and on import of the copy of this file
+    that ships with each drafter for ``trust_remote_code`` (``dspark card``), which shares the installed extensions."""
     global EXTENSIONS
-    if not __package__ or __package__.split(".")[0] == "dspark_hf":
-        return
     try:
+        import dspark_hf
         from dspark_hf.modeling import modeling_dspark as installed
     except ImportError:
         warnings.warn("This DSpark drafter was loaded with trust_remote_code, but generate(assistant_model=drafter) "
-                      "needs the dspark-hf package to route it: pip install dspark-hf.")
+                      "needs the dspark-hf package to route it: `pip install -e .` in a clone of its repository.")
         return
+    dspark_hf.wire()
     EXTENSIONS = installed.EXTENSIONS
 
 
-_route_remote_copy()
+if __package__ and __package__.split(".")[0] != "dspark_hf":  # the remote copy
+    _wire_package()

@@ -1,0 +1,141 @@
+"""The ways into concurrent decoding: ``target.generate`` with a batch, and a closed loop over a queue of prompts.
+
+Both drive a :class:`~dspark_hf.decoding.concurrent.ConcurrentDecoder` (issue 24): every request in one target
+forward per step, each finishing on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ..modeling.modeling_dspark import DSparkDrafter
+from .concurrent import ConcurrentDecoder, Request
+from .settings import _reject_stateful_processors, call_block_size
+from .stats import BatchStats
+from .stopping import ROUND_EXACT_CRITERIA
+
+
+def generate_concurrent(target, drafter: DSparkDrafter | None, prompts: Iterable[Sequence[int]], *,
+                        max_concurrency: int = 4, max_new_tokens: int = 128, on_tokens=None,
+                        **decoder_kwargs) -> tuple[list[list[int]], BatchStats]:
+    """A closed loop over a queue of prompts: at most ``max_concurrency`` in flight, a finished request replaced by
+    the next one at the following step (serving-like load on one Python process).
+
+    Args:
+        target / drafter: as :class:`ConcurrentDecoder` (``drafter=None``: plain batched decoding).
+        prompts: token-id sequences (e.g. ``tokenizer(text)["input_ids"]``).
+        max_concurrency: ``R``, requests per target forward.
+        max_new_tokens: each request's token budget.
+        on_tokens: optional ``(prompt index, new token ids)`` callback after every step (streaming).
+        decoder_kwargs: :class:`ConcurrentDecoder` settings (``block_size``, ``verification``, ``do_sample``,
+            ``logits_processor``, ``eos_token_ids``, ``sps``, ...).
+
+    Returns:
+        ``(outputs, stats)``: the generated ids of each prompt (in prompt order) and :class:`BatchStats`
+        (``stats[i]`` for prompt ``i``).
+
+    Raises:
+        ValueError: ``max_concurrency < 1``, an empty prompt; as :class:`ConcurrentDecoder`.
+    """
+    if max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}.")
+    queue = list(prompts)
+    if any(len(p) == 0 for p in queue):  # before any compute, not when the empty one's turn comes
+        raise ValueError("every prompt needs at least one token.")
+    decoder = ConcurrentDecoder(target, drafter, max_requests=max_concurrency, **decoder_kwargs)
+    admitted = 0
+    with decoder.running():
+        while admitted < len(queue) or decoder.active:
+            while admitted < len(queue) and len(decoder.active) < max_concurrency:
+                decoder.add(queue[admitted], max_new_tokens)
+                admitted += 1
+            for index, tokens in decoder.step().items():
+                if on_tokens is not None and tokens:
+                    on_tokens(index, tokens)
+    return [r.generated for r in decoder.requests], decoder.stats
+
+
+def _left_padded_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:
+    """Each row's real tokens (``attention_mask == 1``) of a left-padded batch.
+
+    Raises:
+        ValueError: a row is right-padded or has holes (``padding_side="left"`` is what batched generation
+            needs), or has no token at all.
+    """
+    if attention_mask is None:
+        return input_ids.tolist()
+    rows = []
+    for ids, mask in zip(input_ids.tolist(), attention_mask.long().tolist()):
+        real = sum(mask)
+        if real == 0 or mask[len(mask) - real:] != [1] * real:
+            raise ValueError("Batched DSpark generate needs left-padded rows with at least one token each "
+                             "(tokenizer.padding_side = 'left'); got a row with padding after or inside its tokens.")
+        rows.append(ids[len(ids) - real:])
+    return rows
+
+
+def generate_batch(target, drafter: DSparkDrafter, input_ids: torch.Tensor, generation_config, logits_processor,
+                   stopping_criteria, model_kwargs: dict, streamer=None) -> torch.LongTensor:
+    """``target.generate(**batch, assistant_model=drafter)`` for a batch of ``R > 1`` rows (routed here by
+    :mod:`dspark_hf.decoding.routing` in place of transformers' batch-1 assisted loop).
+
+    All rows run in one :class:`ConcurrentDecoder`; each finishes on its own (EOS, ``max_new_tokens``, stop strings
+    and custom stopping criteria, checked after every token) and then costs nothing. ``drafter.last_stats`` is a
+    :class:`BatchStats` (``drafter.last_stats[i]``: row ``i``'s rounds).
+
+    Args:
+        input_ids: ``[R, L]`` left-padded prompts; model_kwargs: ``generate``'s (``attention_mask`` ``[R, L]``).
+        generation_config / logits_processor / stopping_criteria: as ``generate`` prepared them.
+
+    Returns:
+        ``[R, L + T]``: the padded prompts, then each row's new tokens, padded after its end with the pad token
+        (as batched plain ``generate`` returns them; ``T`` is the longest row's new tokens).
+
+    Raises:
+        ValueError: a streamer, ``return_dict_in_generate``, ``dspark_lookup=True``, a pre-filled cache or
+            right-padded rows (not supported for batches), and as :class:`ConcurrentDecoder`.
+    """
+    if streamer is not None:
+        raise ValueError("Streamers take one row; with a batch, use dspark_hf.generate_concurrent(..., on_tokens=...) "
+                         "or call generate once per prompt.")
+    if generation_config.return_dict_in_generate:
+        raise ValueError("return_dict_in_generate is not supported for batched DSpark generate; read per-row "
+                         "statistics from drafter.last_stats.")
+    if getattr(generation_config, "dspark_lookup", None):
+        raise ValueError("dspark_lookup (prompt lookup) runs for one request; batched DSpark generate drafts with the "
+                         "drafter only: drop dspark_lookup or call generate once per prompt.")
+    cache = model_kwargs.get("cache")
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError("A pre-filled cache is not supported for batched DSpark generate; pass the whole sequences.")
+    _reject_stateful_processors(logits_processor)
+    attention_mask = model_kwargs.get("attention_mask")
+    rows = _left_padded_rows(input_ids, attention_mask)
+    width = input_ids.shape[1]
+    per_token = [c for c in stopping_criteria if not isinstance(c, ROUND_EXACT_CRITERIA)]
+
+    def stop(request: Request, ids: list[int]) -> bool:  # custom criteria see the row as plain generate shows it
+        row = torch.tensor([request.padding + ids], device=input_ids.device)
+        return any(bool(c(row, None).any()) for c in per_token)
+
+    eos = generation_config._eos_token_tensor
+    decoder = ConcurrentDecoder(
+        target, drafter, block_size=call_block_size(generation_config, drafter.config.block_size), verification=getattr(generation_config, "dspark_verification", None),
+        threshold=getattr(generation_config, "dspark_threshold", None), do_sample=bool(generation_config.do_sample),
+        logits_processor=logits_processor, eos_token_ids=eos.reshape(-1).tolist() if eos is not None else (),
+        stop=stop if per_token else None, max_requests=len(rows))
+    drafter.last_stats = decoder.stats
+    for i, row in enumerate(rows):  # processors and stop checks see each row as batched plain generate shows it
+        decoder.add(row, generation_config.max_length - width, padding=input_ids[i, : width - len(row)].tolist(),
+                    batch_row=(i, len(rows)))
+    with decoder.running():
+        while decoder.active:
+            decoder.step()
+    pad = generation_config._pad_token_tensor
+    pad_id = int(pad.reshape(-1)[0]) if pad is not None else (eos.reshape(-1)[0].item() if eos is not None else 0)
+    longest = max(len(r.generated) for r in decoder.requests)
+    new = torch.full((len(rows), longest), pad_id, dtype=input_ids.dtype, device=input_ids.device)
+    for i, request in enumerate(decoder.requests):
+        new[i, : len(request.generated)] = torch.tensor(request.generated, dtype=input_ids.dtype)
+    return torch.cat([input_ids, new], dim=1)

@@ -1,0 +1,397 @@
+"""Many requests at once: DSpark rounds for R requests in ONE target forward per step (paper §3.2.2, Algorithm 1).
+
+Each step (:meth:`ConcurrentDecoder.step`):
+
+1. requests admitted since the last step are prefilled, all in one ragged forward (their first token comes
+   from it); otherwise
+2. every running request drafts a block of ``γ_r = min(γ, tokens left − 1)`` from its own context;
+3. the verification mode picks ``ℓ_1 .. ℓ_R``: ``scheduler`` / ``async`` run Algorithm 1 across the requests
+   (:func:`~dspark_hf.decoding.scheduler.schedule_batch`, the ``async`` mode as the §5.2 global search on
+   confidences no draft of its block depends on), ``fixed`` verifies ``γ_r``, ``threshold`` the confident prefix;
+4. one target forward verifies ``B = Σ_r (1 + ℓ_r)`` tokens, no padding (:mod:`dspark_hf.decoding.ragged`);
+5. per request: acceptance (:func:`~dspark_hf.decoding.verification.accept_drafts`, greedy or exact speculative
+   sampling), token budget / EOS / stop check, KV rollback to the accepted length, the accepted positions' target
+   features kept for the drafter's context. A finished request leaves the batch and its caches are freed.
+
+Without a drafter the same loop is plain batched decoding (``ℓ_r = 0``, one token per request per step): the
+baseline runs through the same code. Entry points (:mod:`dspark_hf.decoding.batch_generate`):
+``target.generate`` with a batch, and ``dspark_hf.generate_concurrent`` (a closed loop over a queue).
+
+Greedy output of each request equals its own batch-1 plain ``generate`` (each segment sees only its own
+request, at its own positions); sampled output is exact in law per request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+from ..modeling.modeling_dspark import DSparkDrafter
+from ..modeling.outputs import DraftBlock
+from .batch_costs import DraftGate, StepCosts
+from .kernels import is_prepacked, prepack_linears
+from .profiling import load_or_profile_sps
+from .ragged import RaggedBatch, RequestKV, ragged_attention, ragged_forward
+from .scheduler import schedule_batch
+from .stats import BatchStats, GenerationStats, RoundStats, StepStats
+from .verification import POLICIES, accept_drafts, unmet_need
+
+MAX_PROFILED_TOKENS = 128  # the longest SPS curve profiled on demand (B = Σ (1 + ℓ_r) beyond it is never scheduled)
+
+
+class Request:
+    """One request of a :class:`ConcurrentDecoder`: its tokens, target KV cache, drafter context and statistics.
+
+    Attributes:
+        index: the order it was added in.
+        ids: prompt then generated token ids (host list; the last one is the anchor, not yet in the KV cache).
+        prompt_length: tokens of the prompt.
+        max_new_tokens: its token budget.
+        stats: per-round statistics (:class:`GenerationStats`; ``new_tokens`` counts its tokens).
+        done: finished (EOS, budget or stop); its caches are released.
+        added_s / finished_s: ``time.perf_counter()`` when it was added and when it finished (``None`` before).
+    """
+
+    def __init__(self, index: int, prompt: Sequence[int], max_new_tokens: int, num_layers: int, decoder,
+                 padding: Sequence[int] = ()):
+        self.index = index
+        self.ids = [int(t) for t in prompt]
+        self.prompt_length = len(self.ids)
+        self.padding = [int(t) for t in padding]  # what logits processors and stop checks see before the prompt
+        self.max_new_tokens = max_new_tokens
+        self.kv: RequestKV | None = RequestKV(num_layers)
+        self.context = decoder.drafter.new_context() if decoder.drafter is not None else None
+        self.policy = POLICIES[decoder.mode]() if decoder.drafter is not None else None
+        self.pending: list[torch.Tensor] = []  # target features [1, n, m·d] not yet in the drafter's context
+        self.processors = None  # its logits processors (set by ConcurrentDecoder.add)
+        self.stats = GenerationStats(verification=decoder.mode if decoder.drafter is not None else "plain")
+        self.done = False
+        self.added_s, self.finished_s = time.perf_counter(), None
+
+    @property
+    def generated(self) -> list[int]:
+        return self.ids[self.prompt_length:]
+
+    @property
+    def room(self) -> int:
+        """Tokens it may still emit."""
+        return self.max_new_tokens - len(self.generated)
+
+    def release(self) -> None:
+        """Free its KV cache and drafter context (a finished request costs nothing)."""
+        self.kv, self.context, self.pending, self.done = None, None, [], True
+        self.finished_s = time.perf_counter()
+
+
+class ConcurrentDecoder:
+    """The concurrent decoding core: requests are added at any time, :meth:`step` advances all of them.
+
+    Args:
+        target: a causal LM whose attention is ``sdpa`` / ``eager`` (run as :data:`~dspark_hf.decoding.ragged.RAGGED`
+            inside :meth:`running`).
+        drafter: a :class:`DSparkDrafter`, or ``None`` for plain batched decoding through the same loop.
+        block_size / verification / threshold: γ, the verification mode, the ``threshold`` mode's threshold
+            (defaults: the drafter's config).
+        do_sample: sampling (exact in law per request) or greedy.
+        logits_processor: a ``LogitsProcessorList`` applied per request and position (stateless processors only,
+            as for one request) to the request's ids after its ``padding`` (:meth:`add`), or ``None``.
+        eos_token_ids: ids that end a request (kept in its output).
+        stop: ``(request, ids) -> bool`` called after each emitted token (stop strings, custom criteria); the
+            request ends there.
+        max_requests: ``R``, the most requests in flight at once (:meth:`add` refuses more); the scheduled modes'
+            SPS curve is profiled up to ``R·(γ+1)`` tokens (at most :data:`MAX_PROFILED_TOKENS`).
+        sps: the SPS curve the scheduled modes read (default: the drafter's when it covers those tokens, else
+            :func:`~dspark_hf.decoding.profiling.load_or_profile_sps`, at :meth:`running`'s start).
+
+    Raises:
+        ValueError: an unknown mode, a mode the drafter cannot run (no confidence head, no calibration covering
+            γ), a threshold outside [0, 1], ``max_requests < 1``.
+
+    In the scheduled modes a :class:`~dspark_hf.decoding.batch_costs.DraftGate` decides before each step whether
+    drafting is expected to beat plain batched decoding (:class:`~dspark_hf.decoding.batch_costs.StepCosts`).
+    """
+
+    def __init__(self, target, drafter: DSparkDrafter | None = None, *, block_size: int | None = None,
+                 verification: str | None = None, threshold: float | None = None, do_sample: bool = False,
+                 logits_processor=None, eos_token_ids: Iterable[int] = (),
+                 stop: Callable[[Request, list[int]], bool] | None = None, max_requests: int = 8, sps=None):
+        self.target = target
+        self.drafter = drafter.bind(target) if drafter is not None else None
+        if drafter is not None and is_prepacked(target):
+            prepack_linears(self.drafter)
+        cfg = drafter.config if drafter is not None else None
+        self.block_size = int(block_size or (cfg.block_size if cfg else 0))
+        self.mode = verification or (cfg.verification if cfg else "fixed")
+        self.threshold = float(threshold if threshold is not None else (cfg.confidence_threshold if cfg else 0.0))
+        if drafter is not None:
+            self._check_mode()
+        self.do_sample = do_sample
+        self.processors = logits_processor if logits_processor is not None and len(logits_processor) else None
+        self.eos = {int(t) for t in eos_token_ids}
+        self.stop = stop
+        if max_requests < 1:
+            raise ValueError(f"max_requests must be >= 1, got {max_requests}.")
+        self.max_requests = int(max_requests)
+        self.sps = sps
+        self.costs: StepCosts | None = None  # the scheduled modes' cost model, made by running()
+        self.gate = DraftGate()
+        self._probes = 0  # probes so far (each drafts for the next request in turn)
+        self.requests: list[Request] = []
+        self.stats = BatchStats()
+        text = target.config.get_text_config(decoder=True)
+        self.num_layers = text.num_hidden_layers
+        self.hidden_layers = [i + 1 for i in cfg.target_layer_ids] if cfg else []
+
+    def _check_mode(self):
+        need = unmet_need(self.drafter, self.mode, self.block_size)
+        if need is not None:
+            raise ValueError({
+                "mode": f"verification must be one of {tuple(POLICIES)}, got {self.mode!r}.",
+                "confidence": f"the {self.mode!r} mode needs a confidence head; this drafter has none (use 'fixed').",
+                "calibration": f"the {self.mode!r} mode needs a calibrated drafter (`dspark calibrate`); use 'fixed'.",
+                "calibration_length": f"the calibration covers fewer than {self.block_size} positions; lower the "
+                                      "block size or recalibrate.",
+            }[need])
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1 with a drafter, got {self.block_size}.")
+        if self.mode == "threshold" and not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"threshold must be a probability in [0, 1], got {self.threshold}.")
+
+    # ------------------------------------------------------------------------------------------ requests
+    def add(self, prompt: Sequence[int], max_new_tokens: int, padding: Sequence[int] = (),
+            batch_row: tuple[int, int] | None = None) -> Request:
+        """Queue a request (prefilled at the next :meth:`step`).
+
+        ``padding``: ids that logits processors see before the prompt (a batch row's left padding, as batched plain
+        ``generate`` shows rows); never run by the target. ``batch_row``: ``(row, rows)`` when the processors were
+        built for a batch of ``rows`` (``generate``'s): the request is row ``row`` of it (:class:`RowOfBatch`).
+
+        Raises:
+            ValueError: an empty prompt, ``max_new_tokens < 1``, or ``max_requests`` requests already in flight.
+        """
+        if len(self.active) >= self.max_requests:
+            raise ValueError(f"{self.max_requests} requests are in flight (max_requests); step until one finishes.")
+        if len(prompt) == 0:
+            raise ValueError("a request needs at least one prompt token.")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+        request = Request(len(self.requests), prompt, int(max_new_tokens), self.num_layers, self, padding)
+        if self.processors is not None:
+            request.processors = RowOfBatch(self.processors, *batch_row) if batch_row else self.processors
+        self.requests.append(request)
+        self.stats.rows.append(request.stats)
+        self.stats.request_s.append(0.0)
+        return request
+
+    @property
+    def active(self) -> list[Request]:
+        return [r for r in self.requests if not r.done]
+
+    def running(self):
+        """Context manager: the target runs ragged attention inside it
+        (:func:`~dspark_hf.decoding.ragged.ragged_attention`); call :meth:`step` within it. The scheduled modes' SPS
+        curve is loaded (or profiled) first, with the target's own attention."""
+        if self.drafter is not None and POLICIES[self.mode].needs_calibration and self.costs is None:
+            needed = min(self.max_requests * (self.block_size + 1), MAX_PROFILED_TOKENS)
+            curve = self.sps or self.drafter.sps_curve
+            if curve is None or curve.max_tokens < max(needed, self.max_requests):
+                curve = load_or_profile_sps(self.target, max_tokens=max(needed, self.max_requests))
+                self.drafter.set_sps_curve(curve)
+            self.sps, self.costs = curve, StepCosts(curve)
+        return ragged_attention(self.target)
+
+    # ---------------------------------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self) -> dict[int, list[int]]:
+        """Advance every active request by one target forward (a prefill of the new ones, else one round).
+
+        Returns:
+            ``{request index: tokens emitted}`` for the requests in the forward.
+        """
+        start = time.perf_counter()
+        fresh = [r for r in self.active if r.kv.length == 0]
+        if fresh:
+            emitted = self._prefill(fresh)
+        else:
+            emitted = self._round(self.active) if self.active else {}
+        if self.stats.steps:
+            step = self.stats.steps[-1]
+            step.step_ms = 1e3 * (time.perf_counter() - start)
+            if self.costs is not None and not step.prefill:  # a probe's pass is not the pass for all requests
+                self.costs.observe(step.requests, step.step_ms - step.verify_ms - step.draft_ms,
+                                   step.draft_ms if step.drafted == step.requests else None)
+        return emitted
+
+    def _prefill(self, requests: list[Request]) -> dict[int, list[int]]:
+        """Phase 1: all new prompts in one ragged forward; the first token of each from its last position."""
+        segments = [r.ids for r in requests]
+        ends = torch.tensor([len(s) for s in segments]).cumsum(0) - 1
+        logits, hidden = self._forward(requests, segments, ends)
+        self.stats.steps.append(StepStats(len(requests), int(ends[-1]) + 1, True, verify_ms=self._last_forward_ms))
+        emitted, offset = {}, 0
+        for i, request in enumerate(requests):
+            n = len(segments[i])
+            self._keep_features(request, hidden, offset, n)
+            offset += n
+            row = self._process(request, request.padding + request.ids, logits[i:i + 1])
+            token = accept_drafts(torch.tensor([request.ids]), torch.empty(0, dtype=torch.long), None, row,
+                                  self.do_sample)
+            emitted[request.index] = self._emit(request, token)
+        return emitted
+
+    def _round(self, requests: list[Request]) -> dict[int, list[int]]:
+        """Phases 2-5: draft, schedule, verify in one forward, accept and roll back per request."""
+        contexts = [r.kv.length for r in requests]
+        context = sum(contexts) // len(contexts)
+        drafting = len(requests) if self.drafter is not None else 0
+        if self.costs is not None:  # decided from past steps only: lossless
+            drafting = self.gate.drafting_requests(self.costs, len(requests), context)
+        chosen = requests if drafting == len(requests) else [requests[self._probes % len(requests)]] * drafting
+        self._probes += drafting == 1 and len(requests) > 1
+        draft_start = time.perf_counter()
+        drafted = dict(zip(map(id, chosen), self._draft(chosen))) if chosen else {}
+        blocks = [drafted.get(id(r)) for r in requests]
+        draft_ms = 1e3 * (time.perf_counter() - draft_start)
+        lengths = self._schedule(requests, blocks, context)
+        segments = [[r.ids[-1]] + (b.tokens[:n].tolist() if b is not None else []) for r, b, n in
+                    zip(requests, blocks, lengths)]
+        total = sum(len(s) for s in segments)
+        predicted = self.costs.predict_ms(total, len(requests), context, drafting) if self.costs is not None else 0.0
+        logits, hidden = self._forward(requests, segments, torch.arange(total))
+        step = StepStats(len(requests), total, False, list(lengths), draft_ms, self._last_forward_ms,
+                         predicted_ms=predicted, drafted=drafting)
+        self.stats.steps.append(step)
+        if self.costs is not None and self.sps.online:  # the curve learns this B at the requests' mean context
+            self.sps.observe(total, context, step.verify_ms / 1e3)
+        emitted, offset = {}, 0
+        for request, block, n, segment, cached in zip(requests, blocks, lengths, segments, contexts):
+            m = len(segment)
+            rows = self._process(request, request.padding + request.ids + segment[1:], logits[offset:offset + m],
+                                 start=len(request.padding) + len(request.ids))
+            drafts = torch.tensor(segment[1:], dtype=torch.long)
+            draft_logits = block.logits[:n] if block is not None and block.logits is not None else None
+            tokens = accept_drafts(torch.tensor([request.ids]), drafts, draft_logits, rows, self.do_sample)
+            accepted = len(tokens) - 1
+            request.kv.truncate(cached + 1 + accepted)  # the anchor and the accepted drafts stay (rollback)
+            self._keep_features(request, hidden, offset, 1 + accepted)
+            offset += m
+            out = self._emit(request, tokens)
+            request.stats.rounds.append(RoundStats(
+                drafted=block.tokens.numel() if block is not None else 0, scheduled=n, accepted=len(out) - 1,
+                draft_tokens=block.tokens.tolist() if block is not None else [],
+                confidences=block.confidences.tolist() if block is not None and block.confidences is not None else [],
+                draft_ms=draft_ms / len(requests), verify_ms=step.verify_ms))
+            emitted[request.index] = out
+        if drafting and self.costs is not None:  # what the drafting requests got
+            self.gate.observe(drafting, sum(len(emitted[r.index]) for r, b in zip(requests, blocks) if b is not None)
+                              or drafting, sum(1 + n for n, b in zip(lengths, blocks) if b is not None) or drafting)
+        return emitted
+
+    # ------------------------------------------------------------------------------------------ phases
+    def _draft(self, requests: list[Request]) -> list[DraftBlock | None]:
+        """A block of ``γ_r = min(γ, room − 1)`` drafts per request, all in one drafter pass
+        (:meth:`~dspark_hf.DSparkDrafter.draft_many` at the largest ``γ_r``, each block cut to its ``γ_r``);
+        ``None`` for a request without room (or without a drafter)."""
+        gammas = [min(self.block_size, r.room - 1) if self.drafter is not None else 0 for r in requests]
+        drafting = [r for r, g in zip(requests, gammas) if g > 0]
+        if not drafting:
+            return [None] * len(requests)
+        for request in drafting:  # the accepted positions' features join the context (paper Fig. 1)
+            if request.pending:
+                features = torch.cat(request.pending, dim=1) if len(request.pending) > 1 else request.pending[0]
+                self.drafter.extend_context(request.context, features.to(self.drafter.context_proj.weight.device))
+                request.pending = []
+        ids = [torch.tensor([r.padding + r.ids]) for r in drafting] if self.processors is not None else None
+        processors = [r.processors for r in drafting] if self.processors is not None else None
+        blocks = iter(self.drafter.draft_many([r.context for r in drafting], [r.ids[-1] for r in drafting],
+                                              max(gammas), self.do_sample, processors, ids))
+        return [_cut(next(blocks), g) if g > 0 else None for g in gammas]
+
+    def _schedule(self, requests: list[Request], blocks, context: int) -> list[int]:
+        """``ℓ_r`` per request by the verification mode (0 for a request without a block). The scheduled modes run
+        Algorithm 1 across the requests on the step's rates at their mean ``context`` (overhead included)."""
+        if all(b is None for b in blocks):
+            return [0] * len(requests)
+        policy = POLICIES[self.mode]
+        if not policy.needs_calibration:
+            return [0 if b is None else requests[i].policy.prefix_length(
+                b.confidences, self.drafter.calibration, None, b.tokens.numel(), self.threshold)
+                for i, b in enumerate(blocks)]
+        scheduled, early_stop = [], False
+        for request, block in zip(requests, blocks):
+            if block is None:  # verifies its anchor only: one token of B that no candidate of its own can join
+                scheduled.append(torch.zeros(1))
+                continue
+            confidences, stops = request.policy.scheduled_confidences(block.confidences, self.drafter.calibration)
+            scheduled.append(confidences)
+            early_stop = early_stop or stops
+        lengths = schedule_batch(scheduled, self.costs.rates(len(requests), context), early_stop=early_stop)
+        return [min(n, b.tokens.numel()) if b is not None else 0 for n, b in zip(lengths, blocks)]
+
+    def _forward(self, requests: list[Request], segments: list[list[int]], keep: torch.Tensor):
+        """One ragged target forward; returns ``(logits [K, V], hidden_states)`` and times it."""
+        device = self.target.device
+        ids = torch.tensor([[t for s in segments for t in s]], device=device)
+        batch = RaggedBatch([r.kv for r in requests], [len(s) for s in segments])
+        start = time.perf_counter()
+        logits, hidden = ragged_forward(self.target, ids, batch, keep.to(device), self.hidden_layers)
+        self._last_forward_ms = 1e3 * (time.perf_counter() - start)
+        return logits, hidden
+
+    def _process(self, request: Request, ids: list[int], logits: torch.Tensor, start: int | None = None):
+        """Apply the request's logits processors to ``logits [m, V]``; row ``i`` follows ``ids[:start + i]``."""
+        if request.processors is None:
+            return logits
+        start = len(ids) if start is None else start
+        prefix = torch.tensor([ids], device=logits.device)
+        return torch.cat([request.processors(prefix[:, :start + i], logits[i:i + 1]) for i in range(logits.shape[0])])
+
+    def _keep_features(self, request: Request, hidden, offset: int, n: int) -> None:
+        """Keep the target features ``[1, n, m·d]`` of the segment's first ``n`` rows for the drafter's context."""
+        if self.drafter is not None:
+            request.pending.append(torch.cat([hidden[i][:, offset:offset + n] for i in self.hidden_layers], -1))
+
+    def _emit(self, request: Request, tokens: list[int]) -> list[int]:
+        """Append ``tokens`` up to the budget, the first EOS or the first stop; finish and free the request there."""
+        out, stopped = [], False
+        for token in tokens[: request.room]:
+            request.ids.append(token)
+            out.append(token)
+            if token in self.eos or (self.stop is not None and self.stop(request, request.ids)):
+                stopped = True
+                break
+        if stopped or request.room <= 0:
+            self._finish(request)
+        return out
+
+    def _finish(self, request: Request) -> None:
+        """Release a finished request and record its time in flight."""
+        request.release()
+        self.stats.request_s[request.index] = request.finished_s - request.added_s
+
+
+class RowOfBatch:
+    """A batch's logits processors seen from one of its rows. Some keep per-row state shaped by the batch
+    (transformers' repetition penalty keeps a ``prompt_ignore_length`` per row), so row ``row`` is run as row
+    ``row`` of a batch of ``rows`` copies of itself and only that row is returned.
+
+    Called as a processor: ``(input_ids [1, L], scores [1, V]) -> [1, V]``.
+    """
+
+    def __init__(self, processors, row: int, rows: int):
+        self.processors, self.row, self.rows = processors, row, rows
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        batch = self.processors(input_ids.expand(self.rows, -1), scores.expand(self.rows, -1).clone())
+        return batch[self.row:self.row + 1]
+
+    def __len__(self) -> int:
+        return len(self.processors)
+
+
+def _cut(block: DraftBlock, gamma: int) -> DraftBlock:
+    """The first ``gamma`` positions of ``block`` (drafts are left to right: a prefix is a shorter block)."""
+    return DraftBlock(tokens=block.tokens[:gamma], logits=block.logits[:gamma] if block.logits is not None else None,
+                      confidences=block.confidences[:gamma] if block.confidences is not None else None)

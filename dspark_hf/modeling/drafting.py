@@ -1,0 +1,87 @@
+"""Drafting at inference: the heads of one block left to right, and the padded contexts of several requests.
+
+Used by :meth:`~dspark_hf.modeling.modeling_dspark.DSparkDrafter.draft` (one request) and
+:meth:`~dspark_hf.modeling.modeling_dspark.DSparkDrafter.draft_many` (one backbone pass for many). Paper §3.1
+(eqs. 4-6) and §3.2.1 (eq. 7).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .heads import MarkovHead, RNNHead
+from .outputs import DraftBlock, DraftContext
+
+
+def pad_contexts(contexts: list[DraftContext]):
+    """Per layer ``(keys, values)`` of ``R`` non-empty contexts, each ``[R, kv_heads, n, head_dim]`` zero-padded
+    after its own positions to the longest ``n``, and the mask ``[R, n]`` (bool) of the real positions."""
+    longest = max(c.length for c in contexts)
+    device = contexts[0].layers[0][0].device
+    mask = torch.stack([torch.arange(longest, device=device) < c.length for c in contexts])
+    layers = []
+    for layer in range(len(contexts[0].buffers)):
+        kv = [c.layers[layer] for c in contexts]
+        layers.append(tuple(torch.cat([F.pad(t[i], (0, 0, 0, longest - t[i].shape[2])) for t in kv]) for i in (0, 1)))
+    return layers, mask
+
+
+def sample_blocks(drafter, hidden: torch.Tensor, anchors: torch.Tensor, do_sample=False, logits_processor=None,
+                  prefix_ids: list[torch.Tensor] | None = None, generator=None,
+                  forced_tokens: torch.Tensor | None = None) -> list[DraftBlock]:
+    """The heads of ``R`` blocks, left to right and all rows at once (eqs. 4-7).
+
+    Args:
+        hidden: ``[R, γ, d]`` backbone states; anchors: ``[R]`` anchor ids.
+        do_sample / generator: as :meth:`~dspark_hf.modeling.modeling_dspark.DSparkDrafter.draft`.
+        logits_processor: as ``draft`` (one for all rows), or a ``list`` of one callable per row.
+        prefix_ids: each row's ``[1, L_r]`` ids (read with ``logits_processor``; default: the anchor alone).
+        forced_tokens: ``[k]`` ids forced as the first drafts (``R = 1`` only; prompt lookup).
+
+    Returns:
+        ``R`` :class:`DraftBlock` (``tokens [γ]``, ``logits [γ, V]`` or ``None``, ``confidences [γ]`` or ``None``).
+    """
+    rows, gamma = hidden.shape[:2]
+    forced = forced_tokens.reshape(-1).to(hidden.device) if forced_tokens is not None else None
+    n_forced = forced.numel() if forced is not None else 0
+    base = drafter.base_logits(hidden)  # [R, γ, V']
+    state = drafter.sequential.initial_state(hidden[:, 0]) if isinstance(drafter.sequential, RNNHead) else None
+    processors = logits_processor if logits_processor is not None and len(logits_processor) > 0 else None
+    if processors is not None:
+        processors = processors if type(processors) is list else [processors] * rows  # one per row
+        ids = list(prefix_ids) if prefix_ids is not None else [a.view(1, 1) for a in anchors]
+    full_vocab = do_sample or processors is not None
+    vocab = drafter.config.vocab_size
+    prev, tokens, logits, confs = anchors, [], [], []
+    for k in range(gamma):
+        emb = drafter.token_embedding(prev) if drafter.token_table is not None else None  # [R, r]
+        row = base[:, k]  # [R, V']
+        if isinstance(drafter.sequential, MarkovHead):
+            row = row + drafter.sequential(emb)
+        elif isinstance(drafter.sequential, RNNHead):
+            state, bias = drafter.sequential(state, emb, hidden[:, k])
+            row = row + bias
+        if k < n_forced:
+            prev = forced[k].expand(rows)
+            if full_vocab:
+                logits.append(F.one_hot(prev, vocab).float().log())
+        elif full_vocab:  # float32 in every dtype: the q sampled from is softmax of the very row returned
+            full = row.new_full((rows, vocab), float("-inf"), dtype=torch.float32)  # [R, V]
+            full[:, drafter.draft_vocab] = row.float()
+            if processors is not None:
+                full = torch.cat([processors[r](ids[r], full[r:r + 1]) for r in range(rows)])
+            prev = torch.multinomial(full.softmax(-1), 1, generator=generator)[:, 0] if do_sample else full.argmax(-1)
+            logits.append(full)
+        else:
+            prev = drafter.draft_vocab[row.argmax(-1)]
+        if drafter.confidence is not None:
+            confs.append(torch.sigmoid(drafter.confidence(hidden[:, k], emb)))  # [R]
+        tokens.append(prev)
+        if processors is not None:
+            ids = [torch.cat([ids[r], prev[r].view(1, 1)], dim=-1) for r in range(rows)]
+    tokens = torch.stack(tokens, dim=1)  # [R, γ]
+    logits = torch.stack(logits, dim=1) if logits else None  # [R, γ, V]
+    confs = torch.stack(confs, dim=1) if confs else None  # [R, γ]
+    return [DraftBlock(tokens=tokens[r], logits=logits[r] if logits is not None else None,
+                       confidences=confs[r] if confs is not None else None) for r in range(rows)]

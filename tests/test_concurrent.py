@@ -1,0 +1,349 @@
+"""Many requests at once (issue 24): `target.generate(**batch, assistant_model=drafter)` with several rows, the
+closed-loop `generate_concurrent`, the ragged target forward underneath and its KV rollback.
+
+Every row must equal its own batch-1 plain `generate` (greedy) or follow the target's law (sampling, chi-square
+against the enumerated law of each row's prompt), whatever the other rows do.
+"""
+
+import pytest
+import torch
+from conftest import CYCLE_INV, CYCLE_VOCAB, cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
+from test_generation import SV, chi_square, exact_laws, sampling_drafter
+from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from dspark_hf import ConcurrentDecoder, SequentialTemperatureScaling, generate_concurrent
+from dspark_hf.bench.concurrency import run_concurrency, write
+from dspark_hf.decoding.batch_costs import DraftGate, StepCosts
+from dspark_hf.decoding.ragged import RaggedBatch, RequestKV, ragged_attention, ragged_forward
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MODES = ("scheduler", "async", "fixed", "threshold")
+PROMPTS = [[3, 5, 7], [9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [40, 41, 42, 43, 44]]  # a one-token prompt included
+MAX_NEW = 14
+
+
+@pytest.fixture(scope="module")
+def target():
+    return cycle_target(num_hidden_layers=2, alpha=0.026)
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    drafter = cycle_drafter(target, block_size=4)
+    drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * 4)
+    drafter.set_sps_curve(tiny_sps_curve())
+    return drafter
+
+
+def left_padded(prompts, pad=0):
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def plain(target, prompt, max_new=MAX_NEW, **kwargs):
+    """The reference: the row alone, batch 1, plain greedy generate (new tokens only)."""
+    ids = torch.tensor([prompt])
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False, **kwargs)
+    return out[0, len(prompt):].tolist()
+
+
+# ---------------------------------------------------------------------------------------- greedy identity
+@pytest.mark.parametrize("mode", MODES)
+def test_batched_generate_greedy_rows_equal_their_own_plain_generate(target, drafter, mode):
+    ids, mask = left_padded(PROMPTS)
+    out = target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=MAX_NEW,
+                          do_sample=False, dspark_verification=mode)
+    assert out.shape == (len(PROMPTS), ids.shape[1] + MAX_NEW)
+    assert torch.equal(out[:, :ids.shape[1]], ids)  # the padded prompts come back as given
+    for i, prompt in enumerate(PROMPTS):
+        assert out[i, ids.shape[1]:].tolist() == plain(target, prompt)
+    stats = drafter.last_stats
+    assert len(stats) == len(PROMPTS) and all(row.new_tokens == MAX_NEW for row in stats.rows)
+    assert any(r.accepted > 0 for row in stats.rows for r in row.rounds)  # the drafts did something
+    if mode == "fixed":  # every request verifies its γ_r: B = Σ (1 + γ_r) in every round
+        assert all(step.batch_tokens == sum(1 + n for n in step.lengths) for step in stats.steps if not step.prefill)
+
+
+def test_rows_stop_at_eos_in_the_middle_of_a_block(target, drafter):
+    """An EOS that one row reaches mid-block ends that row there (the rest of its accepted drafts are dropped)
+    while the other rows go on; finished rows are padded, as batched plain generate pads them."""
+    eos = plain(target, PROMPTS[0])[5]
+    ids, mask = left_padded(PROMPTS)
+    out = target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=MAX_NEW,
+                          do_sample=False, dspark_verification="fixed", eos_token_id=eos, pad_token_id=0)
+    width, lengths = ids.shape[1], []
+    for i, prompt in enumerate(PROMPTS):
+        reference = plain(target, prompt, eos_token_id=eos, pad_token_id=0)
+        reference = reference[: reference.index(eos) + 1] if eos in reference else reference  # plain pads after EOS
+        assert out[i, width:width + len(reference)].tolist() == reference
+        assert not out[i, width + len(reference):].any()  # then the pad token
+        assert drafter.last_stats[i].new_tokens == len(reference)
+        lengths.append(len(reference))
+    assert min(lengths) < MAX_NEW and len(set(lengths)) > 1  # rows finished at different steps
+    stopped = drafter.last_stats[0].rounds[-1]
+    assert stopped.scheduled > stopped.accepted  # its last block went past the EOS
+
+
+class StopAfter(StoppingCriteria):
+    """A custom criterion: a row stops once it emits ``token`` after the prompt width."""
+
+    def __init__(self, token, width):
+        self.token, self.width = token, width
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids[:, self.width:] == self.token).any(-1)
+
+
+def test_processors_and_custom_stops_see_rows_as_batched_plain_generate(target, drafter):
+    """A repetition penalty (per-row state: transformers' ``prompt_ignore_length``) and a custom stopping criterion act
+    on each left-padded row as in batched plain generate, the reference here; a row that meets the criterion ends
+    there (plain generate without an EOS keeps writing into a stopped row; it is cut at the stop for comparison)."""
+    ids, mask = left_padded(PROMPTS)
+    width = ids.shape[1]
+    stop_token = plain(target, PROMPTS[2])[4]
+    settings = dict(max_new_tokens=MAX_NEW, do_sample=False, repetition_penalty=1.3, pad_token_id=0,
+                    stopping_criteria=StoppingCriteriaList([StopAfter(stop_token, width)]))
+    reference = target.generate(input_ids=ids, attention_mask=mask, **settings)[:, width:].tolist()
+    out = target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, dspark_verification="fixed",
+                          **settings)[:, width:].tolist()
+    stopped = 0
+    for row, expected in zip(out, reference):
+        if stop_token in expected:
+            expected, stopped = expected[: expected.index(stop_token) + 1], stopped + 1
+        assert row[: len(expected)] == expected and not any(row[len(expected):])
+    assert stopped >= 2  # two rows stop early, two run to max_new_tokens
+
+
+def test_a_row_whose_drafts_are_always_rejected(target, drafter, monkeypatch):
+    """Row 1 drafts the cycle's predecessor (never the target's choice here): it verifies γ drafts each round,
+    accepts none, and still equals its plain generate, as do the rows around it."""
+    draft_many = type(drafter).draft_many
+    decoder = ConcurrentDecoder(target, drafter, verification="fixed")
+    requests = [decoder.add(p, MAX_NEW) for p in PROMPTS[:3]]
+
+    def wrong_for_row_one(self, contexts, anchors, *args, **kwargs):
+        blocks = draft_many(self, contexts, anchors, *args, **kwargs)
+        for block, context in zip(blocks, contexts):
+            if context is requests[1].context:
+                block.tokens = CYCLE_INV[block.tokens]
+        return blocks
+
+    monkeypatch.setattr(type(drafter), "draft_many", wrong_for_row_one)
+    with decoder.running():
+        while decoder.active:
+            decoder.step()
+    for request, prompt in zip(requests, PROMPTS):
+        assert request.generated == plain(target, prompt)
+    rejected = requests[1].stats.rounds
+    assert all(r.accepted == 0 and r.scheduled == r.drafted > 0 for r in rejected[:-1])
+    assert sum(r.accepted for r in requests[0].stats.rounds) > 0
+
+
+def test_generate_concurrent_closed_loop_streams_and_frees_finished_requests(target, drafter):
+    prompts = PROMPTS + [[20, 21], [33]]
+    streamed = {i: [] for i in range(len(prompts))}
+    outputs, stats = generate_concurrent(target, drafter, prompts, max_concurrency=2, max_new_tokens=10,
+                                         verification="scheduler",
+                                         on_tokens=lambda i, tokens: streamed[i].extend(tokens))
+    for i, prompt in enumerate(prompts):
+        assert outputs[i] == plain(target, prompt, max_new=10) == streamed[i]
+    assert max(step.requests for step in stats.steps) == 2
+    assert len(stats) == len(prompts) and stats.tau > 1.0
+
+
+@pytest.mark.parametrize("mode", ["fixed", "threshold"])
+def test_one_request_runs_the_rounds_of_the_single_request_path(target, drafter, mode):
+    """At R = 1 the engine drafts, verifies and accepts what `generate` with one prompt does, round for round."""
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        single = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
+                                 max_new_tokens=MAX_NEW, dspark_verification=mode, dspark_lookup=False)
+        expected = [(r.drafted, r.scheduled, r.accepted, r.draft_tokens) for r in drafter.last_stats.rounds]
+        outputs, stats = generate_concurrent(target, drafter, [prompt], max_concurrency=1, max_new_tokens=MAX_NEW,
+                                             verification=mode)
+        assert outputs[0] == single[0, len(prompt):].tolist()
+        assert [(r.drafted, r.scheduled, r.accepted, r.draft_tokens) for r in stats[0].rounds] == expected
+
+
+def test_plain_batched_decoding_without_a_drafter(target):
+    outputs, stats = generate_concurrent(target, None, PROMPTS, max_concurrency=4, max_new_tokens=8)
+    assert outputs == [plain(target, p, max_new=8) for p in PROMPTS]
+    decode_steps = [s for s in stats.steps if not s.prefill]
+    assert all(s.batch_tokens == s.requests for s in decode_steps) and len(decode_steps) == 7
+
+
+def test_finished_requests_release_their_caches(target, drafter):
+    decoder = ConcurrentDecoder(target, drafter, verification="fixed")
+    short, long = decoder.add([3, 5, 7], 2), decoder.add([9], 12)
+    with decoder.running():
+        while decoder.active:
+            decoder.step()
+            if short.done:
+                assert short.kv is None and short.context is None
+    assert long.done and long.kv is None and len(long.generated) == 12 and len(short.generated) == 2
+
+
+# -------------------------------------------------------------------------------------------- rollback
+def test_rollback_logits_equal_a_full_recompute():
+    """Two requests verify drafts in one ragged forward, are rolled back to what was accepted, then step again:
+    the new logits equal those of the accepted sequences recomputed from scratch (fp32, 1e-4)."""
+    target = tiny_llama(97, 32, 2)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (6, 2)]
+    drafts = [torch.randint(0, 97, (4,), generator=g).tolist() for _ in prompts]
+    accepted = [1, 3]
+    caches = [RequestKV(2), RequestKV(2)]
+    with torch.no_grad(), ragged_attention(target):
+        ragged_forward(target, torch.tensor([prompts[0] + prompts[1]]), RaggedBatch(caches, [6, 2]),
+                       torch.tensor([7]), [])
+        anchors = [50, 60]
+        segments = [[a] + d for a, d in zip(anchors, drafts)]
+        ragged_forward(target, torch.tensor([segments[0] + segments[1]]), RaggedBatch(caches, [5, 5]),
+                       torch.arange(10), [])
+        for cache, prompt, n in zip(caches, prompts, accepted):
+            cache.truncate(len(prompt) + 1 + n)
+        nxt = [[70], [71, 72]]  # a bonus token, and a bonus token with one more draft
+        logits, _ = ragged_forward(target, torch.tensor([nxt[0] + nxt[1]]), RaggedBatch(caches, [1, 2]),
+                                   torch.arange(3), [])
+        rows = [logits[:1], logits[1:]]
+        for prompt, anchor, draft, n, new, row in zip(prompts, anchors, drafts, accepted, nxt, rows):
+            sequence = torch.tensor([prompt + [anchor] + draft[:n] + new])
+            full = target(sequence).logits[0, -len(new):]
+            assert torch.allclose(row, full, atol=1e-4), (row - full).abs().max()
+    assert target.config._attn_implementation == "sdpa"  # restored after the block
+
+
+# --------------------------------------------------------------------------------------------- sampling
+@pytest.fixture(scope="module")
+def sampling_rows():
+    target = tiny_llama(SV, 16, 1, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                        pad_token_id=None, initializer_range=0.3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.5)
+    prompts = [[0, 0, 4], [4], [1, 0, 5, 2]]
+    return target, prompts, [exact_laws(target, torch.tensor([p])) for p in prompts]
+
+
+@pytest.mark.parametrize("mode", ["scheduler", "fixed"])
+def test_batched_sampling_is_exact_per_row(sampling_rows, mode):
+    """R = 3 rows of different prompt lengths sampled together: each row's (t1, t2) and (t2, t3) follow that
+    row's own target law (Algorithm 1 picks ℓ_r across the rows in the scheduler mode)."""
+    target, prompts, laws = sampling_rows
+    drafter = sampling_drafter(target)
+    ids, mask = left_padded(prompts, pad=0)
+    width, n = ids.shape[1], 200
+    tables = [(torch.zeros(SV, SV), torch.zeros(SV, SV)) for _ in prompts]
+    verified = 0
+    torch.manual_seed(1234)
+    for _ in range(n):
+        out = target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=3,
+                              do_sample=True, temperature=1.0, top_k=None, dspark_verification=mode,
+                              dspark_block_size=4, pad_token_id=0)
+        for row, (first, second) in zip(out[:, width:].tolist(), tables):
+            first[row[0], row[1]] += 1
+            second[row[1], row[2]] += 1
+        verified += sum(r.scheduled for row in drafter.last_stats.rows for r in row.rounds)
+    assert verified > 0
+    for (first, second), (law1, law2) in zip(tables, laws):
+        for counts, law in ((first, law1), (second, law2)):
+            x2, df, p = chi_square(counts, law.float(), n)
+            assert p > 1e-3, (mode, x2, df, p)
+
+
+# ------------------------------------------------------------------------------------------- bad input
+@pytest.fixture
+def forward_calls(target):
+    calls = []
+    handle = target.register_forward_pre_hook(lambda module, args: calls.append(1))
+    yield calls
+    handle.remove()
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(num_beams=2), "num_beams"),
+    (dict(num_return_sequences=2, do_sample=True), "num_return_sequences"),
+    (dict(return_dict_in_generate=True), "return_dict_in_generate"),
+    (dict(dspark_lookup=True), "dspark_lookup"),
+    (dict(dspark_verification="nope"), "verification"),
+])
+def test_batched_generate_rejects_unsupported_options_before_compute(target, drafter, forward_calls, kwargs, match):
+    ids, mask = left_padded(PROMPTS[:2])
+    with pytest.raises(ValueError, match=match):
+        target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=4, **kwargs)
+    assert not forward_calls
+
+
+class Silent(BaseStreamer):
+    def put(self, value):
+        pass
+
+    def end(self):
+        pass
+
+
+def test_right_padding_and_streamers_raise(target, drafter, forward_calls):
+    ids = torch.tensor([[9, 0, 0], [3, 5, 7]])
+    with pytest.raises(ValueError, match="left"):
+        target.generate(input_ids=ids, attention_mask=torch.tensor([[1, 0, 0], [1, 1, 1]]), assistant_model=drafter,
+                        max_new_tokens=4)
+    ids, mask = left_padded(PROMPTS[:2])
+    with pytest.raises(ValueError, match="one row"):
+        target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=4,
+                        streamer=Silent())
+    assert not forward_calls
+
+
+def test_engine_rejects_bad_requests(target, drafter):
+    with pytest.raises(ValueError, match="max_concurrency"):
+        generate_concurrent(target, drafter, [[1]], max_concurrency=0)
+    with pytest.raises(ValueError, match="at least one token"):
+        generate_concurrent(target, drafter, [[1, 2], []], max_concurrency=1)
+    decoder = ConcurrentDecoder(target, drafter, verification="fixed")
+    with pytest.raises(ValueError, match="prompt token"):
+        decoder.add([], 4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        decoder.add([1], 0)
+    with pytest.raises(ValueError, match="calibrated"):
+        ConcurrentDecoder(target, cycle_drafter(target), verification="scheduler")
+    assert CYCLE_VOCAB == target.config.vocab_size
+
+
+# --------------------------------------------------------------------------------- cost model and gate
+def test_step_costs_predict_by_tokens_and_requests():
+    costs = StepCosts(tiny_sps_curve())  # 65 ms for B = 1, 110 ms for B = 3, 126 ms for B = 6 ... (conftest.CPU_MS)
+    costs.observe(4, overhead_ms=5.0, draft_ms=20.0)
+    costs.observe(8, overhead_ms=8.0)
+    assert costs.predict_ms(6, 4, 0, drafting=4) == pytest.approx(126 + 5 + 20)
+    assert costs.predict_ms(4, 4, 0) == pytest.approx(115 + 5)
+    assert costs.predict_ms(6, 6, 0) == pytest.approx(126 + 6.5)  # overhead between R = 4 and 8
+    costs.observe(4, overhead_ms=10.0)  # running estimate: 0.8 · 5 + 0.2 · 10
+    assert costs.overhead_ms[4] == pytest.approx(6.0)
+    assert costs.predict_ms(6, 4, 0, drafting=1) == pytest.approx(126 + 6 + 20 / 4)  # a probe: 1/R of a pass
+    assert costs.predict_ms(1, 2, 0, drafting=2) == pytest.approx(65 + 6 + 20 / 2)  # drafter pass ∝ R below R = 4
+    assert costs.rates(4, 0)[0] == pytest.approx(1000 / (65 + 6))
+
+
+def test_draft_gate_stops_drafting_that_loses_and_probes_with_back_off():
+    costs = StepCosts(tiny_sps_curve())
+    costs.observe(4, overhead_ms=5.0, draft_ms=20.0)
+    gate = DraftGate()
+    assert gate.drafting_requests(costs, 4, 0) == 4  # nothing known yet: draft
+    gate.observe(4, emitted=int(4 * 1.25), verified=8)  # 5 tokens for B = 8: 5 / 151 ms < 1.1 · 4 / 120 ms
+    decisions = [gate.drafting_requests(costs, 4, 0) for _ in range(8)]
+    assert decisions == [1, 0, 1, 0, 0, 0, 1, 0]  # probes of one request, the gap doubling
+    gate.tokens_per_request = 2.0  # 8 tokens for B = 8: 8 / 151 ms > 1.1 · 4 / 120 ms
+    assert gate.drafting_requests(costs, 4, 0) == 4 and gate.interval == 1
+
+
+def test_concurrency_bench_rows(target, drafter, tmp_path):
+    result = run_concurrency(target, drafter, [[3, 5, 7], [9]], [1, 2], max_new_tokens=4, gamma=4,
+                             arms=("plain", "fixed"), log=lambda line: None)
+    assert [(r["concurrency"], r["arm"]) for r in result["rows"]] == [(1, "plain"), (1, "fixed"), (2, "plain"),
+                                                                         (2, "fixed")]
+    assert all(r["mismatches"] == 0 and r["tokens"] == 4 * r["requests"] for r in result["rows"])
+    assert {p.name for p in write(result, tmp_path)} == {"concurrency.json", "concurrency.md",
+                                                         "concurrency_frontier.png", "concurrency_budget.png"}
