@@ -1,6 +1,7 @@
 """What verification costs at long contexts: target forward of B new tokens over a KV cache of ``ctx`` tokens,
 transformers' stock kernels, prepacked linears only (before issue 23) and this package's (``use_cpu_kernels``: prepacked linears, grouped-query SDPA,
-O(new tokens) cache), plus plain greedy decoding per token at short and long prompts (issue 23).
+O(new tokens) cache), plus plain greedy decoding per token at short and long prompts, and the drafter's context
+extension over a long prompt against the target's prefill (issue 23).
 
 Run under the shared CPU lock, one thread:
 
@@ -21,10 +22,12 @@ from pathlib import Path
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from dspark_hf import DSparkDrafter
 from dspark_hf.decoding.kernels import prepack_linears
 from dspark_hf.decoding.kv_cache import generation_cache
 from dspark_hf.decoding.profiling import grow_cache, time_verify_step
 from dspark_hf.decoding.targets import kernels_label, load_default_target
+from dspark_hf.defaults import default_drafter
 
 
 def filled_cache(model, ctx: int):
@@ -80,6 +83,47 @@ def decode_steps_ms(model, prompt_len: int, new_tokens: int) -> list[float]:
     return [1e3 * (b - a) for a, b in zip(clock.times[1:], clock.times[2:])]
 
 
+@torch.inference_mode()
+def prefill_vs_extension_ms(model, drafter, prompt_len: int, repeats: int) -> tuple[float, float]:
+    """Median ms of the target's prefill of ``prompt_len`` tokens (capturing the drafter's feature layers, as
+    DSpark's first forward does) and of the drafter's context extension over the same positions (issue 23, item 4:
+    the first round that drafts appends every prompt position at once)."""
+    prompt = torch.randint(1000, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
+    layers = [i + 1 for i in drafter.config.target_layer_ids]
+    prefill, extension = [], []
+    for r in range(repeats + 1):
+        start = time.perf_counter()
+        out = model(input_ids=prompt, cache=generation_cache(model), use_cache=True, output_hidden_states=layers,
+                    logits_to_keep=1)
+        middle = time.perf_counter()
+        features = torch.cat([out.hidden_states[i] for i in layers], dim=-1)  # (1, L, m·d)
+        drafter.extend_context(drafter.new_context(), features)
+        end = time.perf_counter()
+        if r:  # the first round is the warm-up
+            prefill.append(middle - start)
+            extension.append(end - middle)
+    return 1e3 * statistics.median(prefill), 1e3 * statistics.median(extension)
+
+
+@torch.inference_mode()
+def capture_cost_ms(model, layers: list[int], ctx: int, repeats: int) -> tuple[float, float]:
+    """Median ms of a 1-token forward over ``ctx`` cached positions without and with the drafter's feature layers
+    captured (``output_hidden_states=layers``, what a DSpark round asks of the target), interleaved (issue 28)."""
+    cache = filled_cache(model, ctx)
+    token = torch.tensor([[42]])
+    times = {False: [], True: []}
+    for r in range(repeats + 1):
+        for capture in (False, True):
+            start = time.perf_counter()
+            model(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1,
+                  **({"output_hidden_states": layers} if capture else {}))
+            elapsed = time.perf_counter() - start
+            cache.crop(-1)
+            if r:  # the first round is the warm-up
+                times[capture].append(elapsed)
+    return 1e3 * statistics.median(times[False]), 1e3 * statistics.median(times[True])
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=1)
@@ -89,6 +133,8 @@ def main():
     p.add_argument("--decode-prompts", type=int, nargs="+", default=[256, 2048])
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--decode-repeats", type=int, default=3)
+    p.add_argument("--prefill-prompts", type=int, nargs="+", default=[1024, 2048, 3072])
+    p.add_argument("--prefill-repeats", type=int, default=3)
     p.add_argument("--out", type=Path, default=None, help="also write the markdown tables here")
     args = p.parse_args()
     models = {"stock": load_default_target(stock_kernels=True)[0],  # what transformers gives
@@ -119,6 +165,22 @@ def main():
     for prompt_len in args.decode_prompts:
         lines.append(f"| {prompt_len} | " + " | ".join(f"{statistics.median(decode[n, prompt_len]):.1f}"
                                                       for n in models) + " |")
+    drafter = DSparkDrafter.from_pretrained(default_drafter()).bind(models["new"])
+    prepack_linears(drafter)  # as generate does for a prepacked target
+    lines += ["", f"Prefill of a long prompt (`new` kernels, median of {args.prefill_repeats}): the target's forward over "
+              "the prompt (the drafter's feature layers captured) against the drafter's context extension over the "
+              "same positions (paid once, in the first round that drafts):", "",
+              "| prompt | target prefill ms | drafter extension ms | extension / prefill |", "|---|---|---|---|"]
+    for prompt_len in args.prefill_prompts:
+        prefill, extension = prefill_vs_extension_ms(models["new"], drafter, prompt_len, args.prefill_repeats)
+        lines.append(f"| {prompt_len} | {prefill:.0f} | {extension:.0f} | {extension / prefill:.3f} |")
+    layers = [i + 1 for i in drafter.config.target_layer_ids]
+    lines += ["", f"A 1-token forward (`new` kernels, median of {4 * args.repeats}, interleaved) without / with the "
+              f"drafter's {len(layers)} feature layers captured (`output_hidden_states={layers}`, as every DSpark "
+              "round asks):", "", "| ctx | plain ms | captured ms | ratio |", "|---|---|---|---|"]
+    for ctx in args.decode_prompts:
+        plain, captured = capture_cost_ms(models["new"], layers, ctx, 4 * args.repeats)
+        lines.append(f"| {ctx} | {plain:.1f} | {captured:.1f} | {captured / plain:.3f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out is not None:

@@ -134,6 +134,64 @@ def test_long_suite_is_held_out_conversations_in_its_token_window():
         suites_mod.suite_texts(["longer"])
 
 
+def test_timed_generate_times_every_forward():
+    """The forward clock sees the prefill and one forward per plain step or per speculative round."""
+    from dspark_hf.evaluation.runs import timed_generate
+
+    target = tiny_llama(V, D, 2, intermediate_size=96, head_dim=16, max_position_embeddings=512)
+    plain = timed_generate(target, [5, 6, 7, 8], 10)
+    assert len(plain.tokens) == 10 and len(plain.forward_ms) == 10 and len(plain.step_ms) == 8
+    assert all(s >= f for s, f in zip(plain.step_ms, plain.forward_ms[1:]))  # a step holds its forward
+    drafter = tiny_drafter(target, "markov", True)
+    run = timed_generate(target, [5, 6, 7, 8], 10, drafter=drafter, dspark_verification="fixed")
+    assert len(run.forward_ms) == 1 + len(run.stats.rounds)
+    hooks = (target._forward_pre_hooks, target._forward_hooks)
+    assert all(not h for h in hooks)  # removed afterwards
+
+
+def test_prompt_floor_takes_a_floor_round_apart():
+    """Hand values: two floor rounds (nothing drafted) between drafted ones, against plain steps of 20 and 22 ms."""
+    from dspark_hf.bench.analysis import floor_summary, prompt_floor
+    from dspark_hf.evaluation.runs import Run
+
+    plain = Run(tokens=[1] * 5, seconds=0.1, forward_ms=[100.0, 19.0, 20.0, 21.0, 19.0], step_ms=[20.0, 22.0, 21.0])
+    rounds = [
+        RoundStats(drafted=3, scheduled=2, accepted=1, round_ms=40.0, context_ms=30.0, context_tokens=50),  # prompt
+        RoundStats(drafted=0, scheduled=0, round_ms=22.0, plan_ms=0.5, bookkeeping_ms=0.25),
+        RoundStats(drafted=0, scheduled=0, round_ms=24.0, plan_ms=0.75, bookkeeping_ms=0.25),
+        RoundStats(drafted=3, scheduled=1, accepted=0, round_ms=35.0, context_ms=0.6, context_tokens=3),
+        RoundStats(drafted=0, scheduled=0),  # the last round: no wall clock recorded, left out
+    ]
+    run = Run(tokens=[1] * 9, seconds=0.2, stats=GenerationStats(rounds=rounds),
+              forward_ms=[120.0, 30.0, 20.0, 22.0, 28.0, 19.0])
+    floor = prompt_floor(plain, run)
+    assert floor["floor_rounds"] == 2
+    assert floor["round_ms"] == 23.0 and floor["forward_ms"] == 21.0 and floor["plan_ms"] == 0.625
+    assert floor["loop_ms"] == pytest.approx((22 - 20 - 0.75 + 24 - 22 - 1.0) / 2)
+    assert floor["plain_step_ms"] == 21.0 and floor["plain_forward_ms"] == 19.5 and floor["plain_loop_ms"] == 1.5
+    assert floor["ratio"] == pytest.approx(23 / 21)
+    assert floor["context_ms_per_token"] == pytest.approx(0.2)  # the prompt's extension left out
+    assert floor["prefill_ms"] == 120.0 and floor["prefill_extension_ms"] == 30.0
+    rounds_without_floor = GenerationStats(rounds=[rounds[0], rounds[3]])
+    assert prompt_floor(plain, Run([1], 0.1, rounds_without_floor, forward_ms=[1.0, 2.0, 3.0])) is None
+    assert prompt_floor(plain, Run([1], 0.1, run.stats, forward_ms=[1.0, 2.0])) is None  # forwards do not line up
+    summary = floor_summary([floor, None, {**floor, "ratio": 1.5, "floor_rounds": 1}])
+    assert summary["prompts"] == 2 and summary["floor_rounds"] == 3 and summary["worst_ratio"] == 1.5
+    assert floor_summary([None]) is None
+
+
+def test_low_acceptance_suite_is_held_out_chat():
+    """The low-acceptance set (issue #28): at least 10 held-out chat prompts, in the order they were ranked."""
+    from dspark_hf.training.data import split_of
+
+    texts = suites_mod.suite_texts(["low-accept", "chat"])
+    low = texts["low-accept"]
+    assert [i for i, _ in low] == list(suites_mod.LOW_ACCEPTANCE_IDS) and len(low) >= 10
+    chat = dict(texts["chat"])
+    for record_id, prompt in low:
+        assert split_of(record_id) == "test" and chat[record_id] == prompt  # never trained on, not a math problem
+
+
 # ------------------------------------------------------------------------------------- smoke run
 V, D = 96, 64
 
@@ -208,10 +266,18 @@ def test_runner_end_to_end(tmp_path):
     result, raw = bench.run_bench(target, drafters, suites, settings, sps=sps, command="pytest", log=lambda *a: None)
 
     assert isinstance(result, BenchResult) and result.machine.command == "pytest"
-    assert list(result.to_json()) == ["schema_version", "machine", "settings", "suites", "drafters",
-                                      "tau_ratio_dspark_over_dflash", "tau_ratios", "tau", "conditional_acceptance",
-                                      "confidence", "wall_clock", "builtin_dflash", "sps", "round_cost", "notes",
-                                      "runtime_s"]  # benchmarks.json's keys; "plots" once written
+    keys = list(result.to_json())
+    assert keys[:16] == ["schema_version", "machine", "settings", "suites", "drafters",
+                         "tau_ratio_dspark_over_dflash", "tau_ratios", "tau", "conditional_acceptance",
+                         "confidence", "wall_clock", "builtin_dflash", "sps", "round_cost", "notes",
+                         "runtime_s"]  # benchmarks.json's keys; "plots" once written
+    assert keys[16:] in ([], ["floor_cost"])  # the floor, when a lookup method verified the target's token alone
+    for per_suite in (result.floor_cost or {}).values():
+        for floor in per_suite.values():
+            assert floor.round_ms == pytest.approx(floor.forward_ms + floor.plan_ms + floor.bookkeeping_ms
+                                                   + floor.loop_ms, rel=0.5)  # medians of sums, roughly
+    assert list(result.sps.ms_per_step_by_context) == [str(c) for c in sps.rows]
+    assert result.sps.ms_per_step_by_context[str(sps.context_len)] == pytest.approx(result.sps.ms_per_step)
     assert result.settings.gamma == 3 and result.settings.math_filter.max_chars > 0
     taus = result.tau["greedy"]["dspark"]
     assert taus["macro"] == pytest.approx((taus["a"] + taus["b"]) / 2)
@@ -251,13 +317,18 @@ def test_runner_end_to_end(tmp_path):
         own = raw["stats"]["greedy"]["dflash"][suite]  # the dflash:fixed runs' statistics, prompt by prompt
         assert [r.rounds for r in builtin] == [sum(r.drafted > 0 for r in st.rounds) for st in own]
     assert result.round_cost["dspark:fixed"].median_draft_ms > 0
+    for suite in suites:  # the worst prompt of every method (issue #28)
+        for summary in wall.suites[suite].values():
+            assert summary.min_speedup == min(r.speedup for r in summary.per_prompt)
 
     path = report.write_report(result, raw, tmp_path, drafters)
     loaded = json.loads(path.read_text())
     assert loaded["wall_clock"]["mismatches_total"] == 0 and loaded["plots"] == result.plots
     assert BenchResult.load(path) == result and BenchResult.load(path).dumps() == path.read_text()
     assert (tmp_path / "benchmarks.md").read_text() == report.markdown_report(loaded) + "\n"
-    assert (tmp_path / "benchmarks.md").read_text().startswith("# dspark bench")
+    markdown = (tmp_path / "benchmarks.md").read_text()
+    assert markdown.startswith("# dspark bench") and "min per-prompt speedup" in markdown
+    assert "**Every prompt** (all suites)" in markdown
     # issue 26: the threshold row's speedup is against pass 3's own plain run, whose tok/s the table now states
     threshold = wall.suites["a"]["dspark:threshold"]
     own_plain = threshold.median_tokens_per_s / threshold.speedup_of_medians

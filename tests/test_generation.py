@@ -849,6 +849,12 @@ def test_greedy_identical_through_plain_stretches(target, prompts, references):
             assert len(drafting) <= len(sources) // 5, sources  # the drafter runs in few rounds ...
             gaps = [b - a for a, b in zip(drafting, drafting[1:])]
             assert len(gaps) >= 2 and all(b > a for a, b in zip(gaps, gaps[1:])), drafting  # ... at growing intervals
+            rounds, appended = drafter.last_stats.rounds, 0
+            for i, r in enumerate(rounds):  # a drafted round first appends every position accepted since the last one
+                assert (r.context_tokens > 0) == (i in drafting) and (r.context_ms > 0) == (i in drafting)
+                appended += r.context_tokens
+                if i in drafting:  # the drafter's context then holds positions 0 .. L-2 of the text so far
+                    assert appended == prompt.shape[1] + sum(x.accepted + 1 for x in rounds[:i])
 
 
 def test_sampling_is_exact_through_a_plain_stretch(sampling_setup, monkeypatch):

@@ -356,3 +356,12 @@ def test_one_machine_description_for_the_sps_key_the_bench_and_info(capsys):
     shown = json.loads(capsys.readouterr().out)
     assert (shown["torch"], shown["transformers"], shown["python"], shown["device"]) == (
         m.torch, m.transformers, m.python, "cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_default_profile_has_a_row_per_context_users_hit():
+    """256, 1k, 2k and 4k tokens of context, one row each (issue #23); the scheduler interpolates between them."""
+    target = tiny_llama(64, 32, 1, max_position_embeddings=4200, **LLAMA_DEFAULT_TOKENS)
+    curve = profile_sps(target, max_tokens=2, min_repeats=2, max_repeats=2, cache=False, progress=False)
+    assert list(curve.rows) == [256, 1024, 2048, 4096] == list(profiling.DEFAULT_CONTEXTS)
+    ms = {c: 1e3 / row[0] for c, row in curve.rows.items()}
+    assert 1e3 / curve.at(1536)[0] == pytest.approx((ms[1024] + ms[2048]) / 2)  # linear in ms between rows

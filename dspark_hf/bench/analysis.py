@@ -105,3 +105,66 @@ def confidence_summary(confidences: Sequence[Sequence[float]], accepted: Sequenc
         "mean_ece_after": report["mean_ece_after"],
         "positions": [{k: p[k] for k in keys} for p in report["positions"]],
     }
+
+
+def prompt_floor(plain, run) -> dict | None:
+    """The floor of one prompt (issue #28): the rounds of ``run`` that verified the target's token alone (nothing
+    drafted, the drafter not run) against the decoding steps of ``plain`` on the same prompt, taken apart.
+
+    Args:
+        plain: the prompt's plain ``generate`` :class:`~dspark_hf.evaluation.runs.Run`.
+        run: a DSpark run of the same prompt (``run.stats`` set, one forward per round after the prefill).
+
+    Returns:
+        ``None`` when ``run`` had no such round (or its forwards do not line up with its rounds), else medians in
+        ms over its floor rounds (the last round, whose wall clock is not recorded, left out): ``floor_rounds``,
+        ``round_ms`` (a round's whole wall clock), ``forward_ms`` (the target's forward, hidden states captured),
+        ``plan_ms`` (the lookup planner), ``bookkeeping_ms`` (features collected, costs learnt, online updates),
+        ``loop_ms`` (the rest: transformers' assisted loop: attention mask and inputs, acceptance, the cache crop,
+        stopping); the plain steps' ``plain_step_ms``, ``plain_forward_ms`` and ``plain_loop_ms`` (step minus
+        forward); ``ratio`` = ``round_ms / plain_step_ms``; ``context_ms_per_token`` (what the drafter's context
+        extension costs per position, paid in the next drafted round: every floor round leaves one position to
+        append; the first extension, over the prompt, left out); and the prefill: ``prefill_ms`` (the target's)
+        and ``prefill_extension_ms`` (the drafter's context extension over the prompt's positions, in the first
+        round that drafts).
+    """
+    rounds, forwards = run.stats.rounds, run.forward_ms[1:]
+    if len(forwards) != len(rounds) or not plain.step_ms:
+        return None
+    floor = [i for i, r in enumerate(rounds[:-1]) if r.drafted == 0]
+    if not floor:
+        return None
+    extensions = [r for r in rounds if r.context_tokens > 0]
+    later = extensions[1:]
+    plain_step, plain_forward = median(plain.step_ms), median(plain.forward_ms[1:])
+    parts = {
+        "round_ms": [rounds[i].round_ms for i in floor],
+        "forward_ms": [forwards[i] for i in floor],
+        "plan_ms": [rounds[i].plan_ms for i in floor],
+        "bookkeeping_ms": [rounds[i].bookkeeping_ms for i in floor],
+        "loop_ms": [rounds[i].round_ms - forwards[i] - rounds[i].plan_ms - rounds[i].bookkeeping_ms for i in floor],
+    }
+    out = {"floor_rounds": len(floor), **{k: median(v) for k, v in parts.items()}}
+    out.update(
+        plain_step_ms=plain_step,
+        plain_forward_ms=plain_forward,
+        plain_loop_ms=plain_step - plain_forward,
+        ratio=out["round_ms"] / plain_step,
+        context_ms_per_token=(sum(r.context_ms for r in later) / sum(r.context_tokens for r in later)
+                              if later else None),
+        prefill_ms=run.forward_ms[0] if run.forward_ms else None,
+        prefill_extension_ms=extensions[0].context_ms if extensions else None,
+    )
+    return out
+
+
+def floor_summary(per_prompt: Sequence[dict | None]) -> dict | None:
+    """Medians over prompts of :func:`prompt_floor`'s values (``floor_rounds`` summed), the worst ``ratio`` as
+    ``worst_ratio`` and the number of ``prompts`` that had floor rounds; ``None`` when none had."""
+    rows = [p for p in per_prompt if p is not None]
+    if not rows:
+        return None
+    out = {k: median([r[k] for r in rows]) for k in rows[0] if k != "floor_rounds"}
+    out.update(prompts=len(rows), floor_rounds=sum(r["floor_rounds"] for r in rows),
+               worst_ratio=max(r["ratio"] for r in rows))
+    return out

@@ -108,11 +108,13 @@ def markdown_report(result: BenchResult | dict) -> str:
     out += ["## Wall clock (greedy; methods interleaved per prompt)", "",
             f"Greedy outputs differing from plain `generate`: **{wall.mismatches_total}**", ""]
     for suite, per_method in wall.suites.items():
-        rows = [[name, v.median_tokens_per_s, v.median_speedup, v.speedup_of_medians, v.tau,
+        rows = [[name, v.median_tokens_per_s, v.median_speedup, v.min_speedup, v.speedup_of_medians, v.tau,
                  _sources(v.token_sources), v.mismatches] for name, v in per_method.items()]
-        out += [f"**{suite}**", "", _table(["method", "median tok/s", "median per-prompt speedup", "speedup of medians",
-                                            "τ", "tokens from lookup / DSpark / target", "mismatches"], rows), ""]
+        out += [f"**{suite}**", "", _table(["method", "median tok/s", "median per-prompt speedup",
+                                            "min per-prompt speedup", "speedup of medians", "τ",
+                                            "tokens from lookup / DSpark / target", "mismatches"], rows), ""]
         out += [_own_baseline_note(name, v) for name, v in per_method.items() if name.endswith(":threshold")]
+    out += _worst_prompts(wall)
     b = result.builtin_dflash
     out += [f"Built-in `speculation_type=\"dflash\"`: {b.status}. {b.note}", ""]
 
@@ -120,13 +122,54 @@ def markdown_report(result: BenchResult | dict) -> str:
     rows = [[name, v.rounds, v.median_draft_ms, v.median_verify_ms, v.mean_scheduled]
             for name, v in result.round_cost.items()]
     out += [_table(["method", "rounds", "median draft ms", "median verify ms", "mean ℓ"], rows), ""]
+    out += _floor_section(result)
     sps = result.sps
     shown = [b for b in (1, 2, 4, 8, 16, 32) if b <= len(sps.ms_per_step)]
-    out += [f"SPS curve ({sps.device_name}, context {sps.context_len}), ms per verification step:", "",
-            _table(["B", *map(str, shown)], [["ms", *(sps.ms_per_step[b - 1] for b in shown)]]), ""]
+    by_context = sps.ms_per_step_by_context or {str(sps.context_len): sps.ms_per_step}
+    rows = [[f"ctx {c}", *(ms[b - 1] for b in shown), ms[shown[-1] - 1] / ms[0]] for c, ms in by_context.items()]
+    out += [f"SPS curve ({sps.device_name}), ms per verification step of B tokens, one row per context length "
+            "(as the schedulers read it at the end of the run):", "",
+            _table(["context", *(f"B={b}" for b in shown), f"B={shown[-1]} / B=1"], rows), ""]
     if result.plots:
         out += ["## Plots", ""] + [f"![{p}]({p})" for p in result.plots] + [""]
     return "\n".join(out)
+
+
+def _worst_prompts(wall) -> list[str]:
+    """The per-prompt minimum speedup of every method over all suites (issue #28: the default must not lose on
+    any prompt)."""
+    rows = []
+    for method in wall.methods:
+        runs = [(suite, r) for suite, per in wall.suites.items() if method in per for r in per[method].per_prompt]
+        if not runs:
+            continue
+        suite, worst = min(runs, key=lambda x: x[1].speedup)
+        rows.append([method, len(runs), worst.speedup, f"{suite}/{worst.id}",
+                     sum(r.speedup < 0.98 for _, r in runs), sum(r.speedup < 1.0 for _, r in runs)])
+    if not rows:
+        return []
+    return ["**Every prompt** (all suites): the worst per-prompt speedup of each method", "",
+            _table(["method", "prompts", "min speedup", "on", "prompts < 0.98×", "prompts < 1.0×"], rows), ""]
+
+
+def _floor_section(result: BenchResult) -> list[str]:
+    """The floor table (issue #28): rounds that verified the target's token alone against a plain step."""
+    if not result.floor_cost:
+        return []
+    rows = [[f"{method} · {suite}", f.prompts, f.floor_rounds, f.plain_step_ms, f.plain_forward_ms, f.plain_loop_ms,
+             f.round_ms, f.forward_ms, f.plan_ms, f.bookkeeping_ms, f.loop_ms, f.ratio, f.worst_ratio,
+             f.context_ms_per_token, f.prefill_ms, f.prefill_extension_ms]
+            for method, per_suite in result.floor_cost.items() for suite, f in per_suite.items()]
+    return ["**The floor**: rounds that verified only the target's own token (nothing drafted, the drafter not run) "
+            "against plain decoding steps of the same prompts, medians over prompts in ms. A round = the target's "
+            "forward (hidden states captured) + lookup planning + DSpark's bookkeeping (features collected, costs "
+            "learnt, online updates) + transformers' assisted loop (inputs, acceptance, cache crop, stopping); a plain "
+            "step = forward + generate's loop. Each floor round leaves one position for the drafter's context, "
+            "appended in the next drafted round (ms per position). Prefill: the target's, and the drafter's context "
+            "extension over the prompt.", "",
+            _table(["method · suite", "prompts", "floor rounds", "plain step", "plain forward", "plain loop",
+                    "floor round", "forward", "planning", "bookkeeping", "assisted loop", "round / step",
+                    "worst prompt", "context ms / position", "prefill", "drafter extension"], rows), ""]
 
 
 def _figure(ncols=1, nrows=1, width=4.0, height=3.2):
@@ -191,9 +234,11 @@ def write_plots(result: BenchResult, raw: dict, out_dir: Path, drafters: dict) -
                                                    drafter.calibration, out_dir / f"reliability_{name}.png")))
     fig = _figure()
     ax = fig.add_subplot()
-    ms = result.sps.ms_per_step
-    ax.plot(range(1, len(ms) + 1), ms, marker="o", markersize=3)
+    sps = result.sps
+    for context, ms in (sps.ms_per_step_by_context or {str(sps.context_len): sps.ms_per_step}).items():
+        ax.plot(range(1, len(ms) + 1), ms, marker="o", markersize=3, label=f"context {context}")
     ax.set(title="target verification cost", xlabel="tokens verified B", ylabel="ms per step", ylim=(0, None))
+    ax.legend(fontsize="x-small")
     written.append(_save(fig, out_dir / "sps_curve.png"))
     suites, methods = list(result.wall_clock.suites), result.wall_clock.methods
     fig = _figure(width=max(5.0, 0.6 * len(methods) * len(suites)))

@@ -14,7 +14,10 @@ What is measured (paper §4; symbols as in :mod:`dspark_hf.calibration`):
    (``<drafter>:<mode>+lookup``, :mod:`dspark_hf.lookup`); methods interleaved prompt by prompt, every greedy
    speculative output checked token-identical to plain ``generate``, and the share of each method's tokens that
    came from lookup, DSpark and the target reported.
-5. The machine's SPS curve and each drafter's cost per round (median draft ms vs verify ms).
+5. The machine's SPS curve (one row per context length) and each drafter's cost per round (median draft ms vs
+   verify ms), and the floor (issue #28): what a round that verifies the target's token alone costs against a
+   plain decoding step, taken apart (:func:`~dspark_hf.bench.analysis.prompt_floor`), with the drafter's context
+   extension over the prompt against the target's prefill.
 
 Layout: suites (prompt sources) -> pure metrics -> runner -> report (JSON, Markdown, PNG). The runner
 works on token ids only, so tests drive it with a tiny random model. It makes three passes over the prompts:
@@ -28,7 +31,8 @@ works on token ids only, so tests drive it with a tiny random model. It makes th
 
 Suites: ``code`` = HumanEval; ``chat`` = held-out ShareGPT (``sharegpt_prompts("test")``, never
 train/validation/calibration) minus the math ones; ``math`` = the held-out ShareGPT conversations that
-:func:`is_math_problem` accepts; ``custom`` = a JSONL file of ``{"prompt": ...}`` lines.
+:func:`is_math_problem` accepts; ``custom`` = a JSONL file of ``{"prompt": ...}`` lines; ``long`` and ``low-accept``
+(:mod:`dspark_hf.bench.suites`) when named.
 
 Budget of the defaults (``BenchSettings``: 4 prompts per suite, 96 new tokens, three drafters) on a 2-core
 CPU where plain greedy runs at ~20 tok/s: 3 + 12 (+ 3) generations per prompt (two of them the ``+lookup``
@@ -46,6 +50,7 @@ from ..evaluation.bench_result import (
     BuiltinDFlash,
     DrafterConfidence,
     DrafterRecord,
+    FloorCost,
     MachineRecord,
     MathFilter,
     MethodSummary,
@@ -57,7 +62,16 @@ from ..evaluation.bench_result import (
     WallClock,
 )
 from ..metrics import conditional_acceptance, tau
-from .analysis import best_threshold, confidence_summary, first_divergence, full_rounds, median, threshold_sweep
+from .analysis import (
+    best_threshold,
+    confidence_summary,
+    first_divergence,
+    floor_summary,
+    full_rounds,
+    median,
+    prompt_floor,
+    threshold_sweep,
+)
 from .loading import _log_default
 from .methods import (
     Method,
@@ -180,6 +194,7 @@ def summarize_wall_clock(records: dict, methods: list[Method], log=_log_default)
             per_method[method.name] = {
                 "median_tokens_per_s": tps,
                 "median_speedup": median([r["speedup"] for r in rows]),  # median of per-prompt ratios
+                "min_speedup": min((r["speedup"] for r in rows), default=None),  # the worst prompt (issue #28)
                 "speedup_of_medians": tps / plain_median if tps and plain_median else None,
                 "tau": pooled_tau(rows),
                 "mismatches": sum(not r["identical"] for r in rows),
@@ -216,6 +231,22 @@ def round_costs(records: dict, methods: list[Method]) -> dict:
             "median_verify_ms": median([r.verify_ms for r in rounds if r.verify_ms > 0]),
             "mean_scheduled": sum(r.scheduled for r in rounds) / len(rounds) if rounds else None,
         }
+    return costs
+
+
+def floor_costs(records: dict, methods: list[Method]) -> dict:
+    """The floor of every DSpark method that had rounds verifying the target's token alone (issue #28), per suite:
+    ``{method: {suite: floor_summary(...)}}`` (:func:`~dspark_hf.bench.analysis.prompt_floor` per prompt against
+    that prompt's plain run); methods and suites without such rounds are left out."""
+    costs = {}
+    for method in methods:
+        if method.drafter is None or method.adapter is not None:
+            continue
+        per_suite = {suite: floor_summary([prompt_floor(p["runs"]["plain"], p["runs"][method.name]) for p in prompts])
+                     for suite, prompts in records.items()}
+        per_suite = {suite: v for suite, v in per_suite.items() if v is not None}
+        if per_suite:
+            costs[method.name] = per_suite
     return costs
 
 
@@ -329,7 +360,7 @@ def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps
     notes += [f"{n}: the best static threshold is t = 0, which keeps every draft: `{n}:threshold` is `{n}:fixed` "
               "and is not timed twice." for n, t in thresholds.items() if t == 0]
     wall, mismatches = summarize_wall_clock(records, methods, log)
-    costs = round_costs(records, methods)
+    costs, floor = round_costs(records, methods), floor_costs(records, methods)
     if timed:
         log(f"[bench] pass 3: wall clock of {', '.join(m.name for m in timed)} at the best threshold, against plain")
         extra = wall_clock_pass(target, drafters, [Method("plain"), *timed], suites, settings, log)
@@ -360,6 +391,7 @@ def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps
         builtin_dflash=BuiltinDFlash(**builtin),
         sps=SPSRecord.from_curve(sps),
         round_cost={m: RoundCost(**c) for m, c in costs.items()},
+        floor_cost={m: {s: FloorCost(**c) for s, c in per.items()} for m, per in floor.items()},
         notes=notes,
         runtime_s=time.perf_counter() - start,
     )

@@ -1,7 +1,8 @@
 """The prompt suites of ``dspark bench``: ``code`` = HumanEval; ``chat`` = held-out ShareGPT (``sharegpt_prompts("test")``,
 never train/validation/calibration) minus the math ones; ``math`` = the held-out ShareGPT conversations that
 :func:`~dspark_hf.training.data.is_math_problem` accepts; ``custom`` = a JSONL file of ``{"prompt": ...}`` lines;
-``long`` (not run by default) = held-out ShareGPT prompts of 1.5k-3.5k tokens (:func:`long_prompts`)."""
+``long`` (not run by default) = held-out ShareGPT prompts of 1.5k-3.5k tokens (:func:`long_prompts`); ``low-accept``
+(not run by default) = the held-out chat prompts where the drafter accepts least (:data:`LOW_ACCEPTANCE_IDS`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ from itertools import zip_longest
 from pathlib import Path
 
 SUITES = ("code", "chat", "math")  # run by default
-OTHER_SUITES = ("long", "custom")  # run when named (--suites)
+OTHER_SUITES = ("long", "low-accept", "custom")  # run when named (--suites)
+# The held-out chat prompts on which the shipped drafter's greedy τ (fixed mode, γ = 7, 48 new tokens) was lowest, of
+# the first 40 of the chat suite (`python scripts/low_acceptance.py --pool 40 --keep 12`, 2026-12-01; every τ in
+# docs/floor/low_acceptance.json): where speculation pays least, so where the default must not lose (issue #28).
+LOW_ACCEPTANCE_IDS = ("xDKT94w_0", "1s5eust_0", "A4fLEgi_0", "5wCpyaT_0", "vP4Pi9y_0", "R8aI4qg_0", "UaWCuxs_0",
+                      "J7gsvGT_0", "OjaM9hX_30", "ynLoh9N_0", "dQ91i6O_0", "pNUCrJa_0")  # τ 1.07 .. 1.38
 LONG_TOKENS = (1500, 3500)  # chat-formatted prompt length of the long suite, whatever --max-prompt-tokens says
 LONG_CHARS = (6000, 14000)  # a cheap pre-filter on the text, before tokenizing
 _ROLES = {"human": "user", "gpt": "assistant"}
@@ -80,10 +86,12 @@ def suite_texts(names: Sequence[str], prompts_file: str | None = None) -> dict[s
     unknown = set(names) - {*SUITES, *OTHER_SUITES}
     if unknown:
         raise ValueError(f"unknown suites {sorted(unknown)}; choose from {[*SUITES, *OTHER_SUITES]}")
-    held_out = sharegpt_prompts("test") if {"chat", "math"} & set(names) else []
+    held_out = sharegpt_prompts("test") if {"chat", "math", "low-accept"} & set(names) else []
+    by_id = dict(held_out)
     sources = {
         "code": lambda: humaneval_prompts(),
         "chat": lambda: [(i, p) for i, p in held_out if not is_math_problem(p)],
+        "low-accept": lambda: [(i, by_id[i]) for i in LOW_ACCEPTANCE_IDS],
         "math": lambda: [(i, p) for i, p in held_out if is_math_problem(p)],
         "long": long_prompts,
         "custom": lambda: read_prompts_file(prompts_file),

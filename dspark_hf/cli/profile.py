@@ -55,7 +55,7 @@ def add_parser(sub):
     p.add_argument("--max-tokens", type=int, default=None, help="largest B (default: the shipped drafter's γ + 1)")
     p.add_argument("--context-len", type=int, default=256, help="context of the primary row (part of the cache key)")
     p.add_argument("--contexts", default=None,
-                   help="comma-separated further context lengths (default: 256,1024,4096 where they fit)")
+                   help="comma-separated context lengths, one row each (default: 256,1024,2048,4096 where they fit)")
     p.add_argument("--time-budget", type=float, default=25.0, help="seconds for the whole measurement (default 25)")
     p.add_argument("--png", default=None, help="where to write the plot (default: next to the cached JSON)")
     p.add_argument("--json", action="store_true", help="print the curve as JSON")

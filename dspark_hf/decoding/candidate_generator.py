@@ -133,16 +133,20 @@ class DSparkCandidateGenerator(CandidateGenerator):
         """See :class:`~transformers.generation.CandidateGenerator`; the first call lets the target prefill."""
         if is_first_iteration:
             return input_ids, None
-        self._learn_round_costs()
+        entry = time.perf_counter()
+        self._learn_round_costs(entry)
         self._collect_features(input_ids, model_outputs)
         gamma = min(self.block_size, self.max_length - input_ids.shape[1] - 1)
         self._verify_context = input_ids.shape[1] - 1  # the scheduler reads the SPS row of this context
-        if gamma <= 0:  # one token left: the target verifies the anchor alone, a round without drafts
-            self._start_verification(RoundStats(drafted=0, scheduled=0))
-            return input_ids, None
         start = time.perf_counter()
+        bookkeeping_ms = 1e3 * (start - entry)  # learning the last round's costs, collecting its features
+        if gamma <= 0:  # one token left: the target verifies the anchor alone, a round without drafts
+            self._start_verification(RoundStats(drafted=0, scheduled=0, bookkeeping_ms=bookkeeping_ms))
+            return input_ids, None
         room = self.max_length - input_ids.shape[1] - 1
         plan = self.lookup.plan(input_ids, gamma, room) if self.lookup is not None else None  # before any drafting
+        plan_ms = 1e3 * (time.perf_counter() - start)
+        context_ms, context_tokens = 0.0, 0
         if plan is not None and plan.source in ("lookup", "target"):  # no drafter pass
             drafts, confidences = torch.tensor(plan.lookup_tokens, dtype=torch.long), None
             draft_logits = one_hot_logits(drafts, self.drafter.config.vocab_size) if self.do_sample else None
@@ -150,7 +154,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         else:
             forced = torch.tensor(plan.lookup_tokens) if plan is not None and plan.source == "hybrid" else None
             pass_start = time.perf_counter()
-            self._catch_up_context()
+            context_tokens = self._catch_up_context()
+            context_ms = 1e3 * (time.perf_counter() - pass_start)
             block = self.drafter.draft(
                 self.context, int(input_ids[0, -1]), gamma, self.do_sample, self.logits_processor, input_ids,
                 forced_tokens=forced,
@@ -171,6 +176,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 confidences=confidences.tolist() if confidences is not None else [],
                 draft_ms=1e3 * (time.perf_counter() - start),
                 lookup=len(plan.lookup_tokens) if plan is not None else 0,
+                plan_ms=plan_ms,
+                context_ms=context_ms,
+                context_tokens=context_tokens,
+                bookkeeping_ms=bookkeeping_ms,
             )
         )
         if length == 0:
@@ -179,12 +188,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
         logits = draft_logits[None, :length] if self.do_sample else None
         return candidates, logits
 
-    def _learn_round_costs(self):
-        """At the start of a round: the previous round's wall-clock time (recorded as its ``round_ms``) minus its
-        verification and drafter pass (the context catch-up included) is its overhead; both refine the curve's
-        round costs (:meth:`~dspark_hf.SPSCurve.observe_round`) when the curve learns online, so Θ weighs a
-        drafter pass against rounds that skip it."""
-        now = time.perf_counter()
+    def _learn_round_costs(self, now: float):
+        """At the start of a round (``now``, ``time.perf_counter()`` seconds): the previous round's wall-clock time
+        (recorded as its ``round_ms``) minus its verification and drafter pass (the context catch-up included) is
+        its overhead; both refine the curve's round costs (:meth:`~dspark_hf.SPSCurve.observe_round`) when the curve
+        learns online, so Θ weighs a drafter pass against rounds that skip it."""
         last = self.stats.rounds[-1] if self.stats.rounds else None
         if last is not None and self._round_start is not None:
             last.round_ms = 1e3 * (now - self._round_start)
@@ -210,13 +218,15 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._pending.append(torch.cat([states[i + 1][:, :n_new] for i in self.drafter.config.target_layer_ids], -1))
         self._known += n_new
 
-    def _catch_up_context(self):
+    def _catch_up_context(self) -> int:
         """Append every pending feature to the drafter's context cache, in one pass (paper Fig. 1: the context
-        holds positions ``0 .. L-2``, all accepted)."""
-        if self._pending:
-            features = self._pending[0] if len(self._pending) == 1 else torch.cat(self._pending, dim=1)
-            self.drafter.extend_context(self.context, features.to(self.drafter.context_proj.weight.device))
-            self._pending = []
+        holds positions ``0 .. L-2``, all accepted); returns the number of positions appended."""
+        if not self._pending:
+            return 0
+        features = self._pending[0] if len(self._pending) == 1 else torch.cat(self._pending, dim=1)
+        self.drafter.extend_context(self.context, features.to(self.drafter.context_proj.weight.device))
+        self._pending = []
+        return features.shape[1]
 
     def _prefix_length(self, block, gamma: int) -> int:
         """ℓ in 0..γ by the call's verification policy (:mod:`dspark_hf.decoding.verification`)."""
@@ -235,13 +245,15 @@ class DSparkCandidateGenerator(CandidateGenerator):
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         """Record the number of accepted drafts and the verify time of the round just verified; in the
         scheduled modes the time also refines the SPS curve online (:meth:`~dspark_hf.SPSCurve.observe`)."""
+        entry = time.perf_counter()
         if self.lookup is not None:  # score the round's lookup continuation (dspark_hf.lookup)
             self.lookup.update(input_ids, num_matches)
         if self._verify_start is not None and self.stats.rounds:
             last = self.stats.rounds[-1]
             last.accepted = int(num_matches)
-            last.verify_ms = 1e3 * (time.perf_counter() - self._verify_start)
+            last.verify_ms = 1e3 * (entry - self._verify_start)
             self._verify_start = None
             self._observe_verified_drafts(last)
             if self.policy.needs_calibration and self.sps.online:  # B = ℓ + 1 tokens verified at this context
                 self.sps.observe(last.scheduled + 1, self._verify_context, last.verify_ms / 1e3)
+            last.bookkeeping_ms += 1e3 * (time.perf_counter() - entry)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 FORMAT_VERSION = 2  # 2 added context_curves, noisy, spread, observations, counts, online; later overhead_ms, draft_ms
 # (with defaults: files without them load; version 1 files still load)
-DEFAULT_CONTEXTS = (256, 2048)  # context lengths profiled by default (those that fit); longer ones are learnt online
+DEFAULT_CONTEXTS = (256, 1024, 2048, 4096)  # context lengths profiled by default (those that fit); others learnt online
 REL_TOL = 0.05  # stop sweeping once every median is known to ±5 % (95 % confidence)
 NOISY_SPREAD = 0.15  # a curve whose medians are still wider than ±15 % is marked noisy
 ONLINE_WEIGHT = 0.1  # EMA weight of one observed verification time (in log-milliseconds)

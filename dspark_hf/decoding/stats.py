@@ -15,6 +15,13 @@ class RoundStats:
     """One target verification: drafted γ, scheduled ℓ, accepted n (drafts, bonus excluded), timings in ms
     (``round_ms``: the round's whole wall clock, from its planning to the next round's; 0 for the last round).
 
+    Timings, ms: ``draft_ms`` everything between the round's bookkeeping and its verification (``plan_ms``: the
+    lookup planner's choice, 0 without lookup; ``context_ms``: appending the ``context_tokens`` target positions
+    accepted since the last drafted round to the drafter's context, 0 in rounds that do not draft; then the
+    drafter's pass); ``verify_ms`` the target's forward and transformers' acceptance step, up to the
+    generator's update; ``bookkeeping_ms`` DSpark's own work outside both (collecting the target's hidden-state
+    features and learning the last round's costs at the start of the round, the online updates after it).
+
     The round emitted ``accepted + 1`` tokens (``accepted`` counts the drafts that were emitted: drafts
     the target accepted but that an EOS, the token budget or a stop string cut off are not counted).
     ``draft_tokens`` holds all γ drafted ids: ``[:accepted]`` were accepted, ``[accepted:scheduled]``
@@ -33,6 +40,10 @@ class RoundStats:
     verify_ms: float = 0.0
     lookup: int = 0
     round_ms: float = 0.0
+    plan_ms: float = 0.0
+    context_ms: float = 0.0
+    context_tokens: int = 0
+    bookkeeping_ms: float = 0.0
 
     def is_full(self, gamma: int) -> bool:
         """The round drafted and verified all ``gamma`` drafts of the drafter itself (no lookup tokens): the

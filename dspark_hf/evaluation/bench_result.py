@@ -27,7 +27,7 @@ SCHEMA_VERSION = 1
 
 __all__ = [
     "SCHEMA_VERSION", "BenchResult", "BuiltinDFlash", "CalibrationSummary", "DrafterConfidence", "DrafterRecord",
-    "MachineRecord", "MathFilter", "MethodSummary", "Mismatch", "PositionCalibration", "PromptRun", "Record",
+    "FloorCost", "MachineRecord", "MathFilter", "MethodSummary", "Mismatch", "PositionCalibration", "PromptRun", "Record",
     "RoundCost", "RunSettings", "SPSRecord", "SuiteConfidence", "SuiteRecord", "SweepPoint", "WallClock",
     "as_bench_result",
 ]
@@ -211,7 +211,8 @@ class PromptRun(Record):
 class MethodSummary(Record):
     """One method on one suite: ``median_tokens_per_s``, ``median_speedup`` (median of per-prompt ratios),
     ``speedup_of_medians`` (its median tok/s over plain's), ``tau`` pooled over rounds (``None`` without rounds),
-    ``mismatches`` against plain greedy output, ``token_sources`` (``{"lookup", "dspark", "target"}`` token counts,
+    ``mismatches`` against plain greedy output, ``min_speedup`` (the worst prompt's speedup; absent in older
+    files), ``token_sources`` (``{"lookup", "dspark", "target"}`` token counts,
     ``None`` for methods without DSpark rounds; absent in files before it was recorded) and ``per_prompt`` rows."""
 
     median_tokens_per_s: float | None
@@ -219,6 +220,7 @@ class MethodSummary(Record):
     speedup_of_medians: float | None
     tau: float | None
     mismatches: int
+    min_speedup: float | None = field(default=None, metadata={"omit_none": True})
     token_sources: dict[str, int] | None = None
     per_prompt: list[PromptRun] = field(default_factory=list)
 
@@ -261,19 +263,22 @@ class BuiltinDFlash(Record):
 @dataclass
 class SPSRecord(Record):
     """The target's SPS curve: ``steps_per_s[B - 1]`` and ``ms_per_step[B - 1]`` for verifying B tokens at once,
-    on ``device_name`` with ``context_len`` tokens of context, for ``target_name``."""
+    on ``device_name`` with ``context_len`` tokens of context, for ``target_name``; ``ms_per_step_by_context``:
+    ``{context length: ms_per_step}`` for every row of the curve (the primary one included)."""
 
     steps_per_s: list[float]
     ms_per_step: list[float]
     device_name: str
     context_len: int
     target_name: str
+    ms_per_step_by_context: dict[str, list[float]] | None = field(default=None, metadata={"omit_none": True})
 
     @classmethod
     def from_curve(cls, sps) -> SPSRecord:
         """From a :class:`~dspark_hf.decoding.sps.SPSCurve`."""
         return cls(steps_per_s=list(sps.steps_per_s), ms_per_step=[1e3 / s for s in sps.steps_per_s],
-                   device_name=sps.device_name, context_len=sps.context_len, target_name=sps.target_name)
+                   device_name=sps.device_name, context_len=sps.context_len, target_name=sps.target_name,
+                   ms_per_step_by_context={str(k): [1e3 / s for s in row] for k, row in sps.rows.items()})
 
 
 @dataclass
@@ -285,6 +290,37 @@ class RoundCost(Record):
     median_draft_ms: float | None
     median_verify_ms: float | None
     mean_scheduled: float | None
+
+
+@dataclass
+class FloorCost(Record):
+    """The floor of one DSpark method on one suite (issue #28; :func:`dspark_hf.bench.analysis.prompt_floor`):
+    rounds that verified the target's token alone against plain decoding steps of the same prompts, medians over
+    prompts in ms.
+
+    ``round_ms`` = ``forward_ms`` (the target's forward, hidden states captured) + ``plan_ms`` (lookup planning)
+    + ``bookkeeping_ms`` (DSpark's per-round work: features collected, costs learnt, online updates) + ``loop_ms``
+    (transformers' assisted loop, the cache crop included); ``plain_step_ms`` = ``plain_forward_ms`` +
+    ``plain_loop_ms``; ``ratio`` = ``round_ms / plain_step_ms`` (median over prompts; ``worst_ratio`` the largest).
+    ``context_ms_per_token``: the drafter's context extension per position, paid in the next drafted round.
+    ``prefill_ms`` / ``prefill_extension_ms``: the target's prefill and the drafter's context extension over the
+    prompt (issue #23)."""
+
+    prompts: int
+    floor_rounds: int
+    round_ms: float | None
+    forward_ms: float | None
+    plan_ms: float | None
+    bookkeeping_ms: float | None
+    loop_ms: float | None
+    plain_step_ms: float | None
+    plain_forward_ms: float | None
+    plain_loop_ms: float | None
+    ratio: float | None
+    worst_ratio: float | None
+    context_ms_per_token: float | None
+    prefill_ms: float | None
+    prefill_extension_ms: float | None
 
 
 # ------------------------------------------------------------------------------------------- the result
@@ -304,6 +340,8 @@ class BenchResult(Record):
         confidence: ``{drafter: DrafterConfidence}`` for drafters with a confidence head.
         wall_clock: :class:`WallClock`. builtin_dflash: :class:`BuiltinDFlash`. sps: :class:`SPSRecord`.
         round_cost: ``{method: RoundCost}``. notes: what the reader should know about the run.
+        floor_cost: ``{method: {suite: FloorCost}}`` for methods with rounds that drafted nothing (absent in older
+            files).
         runtime_s: wall seconds of the whole run. plots: PNG file names next to the JSON (absent until written).
     """
 
@@ -324,6 +362,7 @@ class BenchResult(Record):
     notes: list[str]
     runtime_s: float
     plots: list[str] | None = field(default=None, metadata={"omit_none": True})
+    floor_cost: dict[str, dict[str, FloorCost]] | None = field(default=None, metadata={"omit_none": True})
 
     def strict(self) -> BenchResult:
         """A copy as ``benchmarks.json`` holds it: every NaN or infinite float ``None``."""

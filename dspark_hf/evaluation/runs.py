@@ -7,7 +7,7 @@ Shared by ``dspark generate``, ``dspark calibrate`` (STS needs fixed-length roun
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
@@ -17,15 +17,51 @@ from ..decoding.candidate_generator import GenerationStats
 
 @dataclass
 class Run:
-    """One timed ``generate`` call: new token ids, wall seconds and (speculative runs) round stats."""
+    """One timed ``generate`` call: new token ids, wall seconds, (speculative runs) round stats, and when each of
+    the target's forward passes ran.
+
+    Attributes:
+        forward_ms: milliseconds of each target forward, in order: the prefill first, then one per decoding step
+            (plain) or per round (speculative).
+        step_ms: milliseconds from the start of one decoding forward to the start of the next (a plain decoding
+            step, or a speculative round seen from the target: its forward, transformers' loop, the next planning
+            and drafting); the prefill and the last step are not in it.
+    """
 
     tokens: list[int]
     seconds: float
     stats: GenerationStats | None = None
+    forward_ms: list[float] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
         return len(self.tokens) / max(self.seconds, 1e-9)
+
+
+class ForwardClock:
+    """Notes when each forward of ``model`` starts and ends (forward hooks, removed on exit), for
+    :attr:`Run.forward_ms` and :attr:`Run.step_ms`: two clock reads per forward, the same for every method timed."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.starts, self.ends, self._handles = model, [], [], []
+
+    def __enter__(self) -> ForwardClock:
+        self._handles = [self.model.register_forward_pre_hook(lambda *_: self.starts.append(time.perf_counter())),
+                         self.model.register_forward_hook(lambda *_: self.ends.append(time.perf_counter()))]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    @property
+    def forward_ms(self) -> list[float]:
+        return [1e3 * (b - a) for a, b in zip(self.starts, self.ends)]
+
+    @property
+    def step_ms(self) -> list[float]:
+        return [1e3 * (b - a) for a, b in zip(self.starts[1:], self.starts[2:])]
 
 
 @torch.inference_mode()
@@ -33,19 +69,22 @@ def timed_generate(target, prompt_ids: list[int], max_new_tokens: int, temperatu
                    streamer=None, seed: int = 0, **generate_kwargs) -> Run:
     """``target.generate`` on one chat-formatted prompt, with (``drafter`` given) or without DSpark.
 
-    ``temperature`` 0 means greedy. Returns a :class:`Run` of the NEW tokens only.
+    ``temperature`` 0 means greedy. Returns a :class:`Run` of the NEW tokens only, with the target's forward
+    times (:class:`ForwardClock`).
     """
     ids = torch.tensor([prompt_ids], device=target.device)
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
     if drafter is not None:
         generate_kwargs["assistant_model"] = drafter
     torch.manual_seed(seed)
-    start = time.perf_counter()
-    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, streamer=streamer,
-                          **sampling, **generate_kwargs)
-    seconds = time.perf_counter() - start
+    with ForwardClock(target) as clock:
+        start = time.perf_counter()
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                              streamer=streamer, **sampling, **generate_kwargs)
+        seconds = time.perf_counter() - start
     stats = drafter.last_stats if drafter is not None else None
-    return Run(tokens=out[0, ids.shape[1]:].tolist(), seconds=seconds, stats=stats)
+    return Run(tokens=out[0, ids.shape[1]:].tolist(), seconds=seconds, stats=stats, forward_ms=clock.forward_ms,
+               step_ms=clock.step_ms)
 
 
 def collect_rounds(target, drafter, prompts: list[list[int]], max_new_tokens: int = 128,
