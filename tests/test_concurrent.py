@@ -155,6 +155,20 @@ def test_generate_concurrent_closed_loop_streams_and_frees_finished_requests(tar
     assert len(stats) == len(prompts) and stats.tau > 1.0
 
 
+def test_generate_concurrent_stops_at_the_targets_eos_by_default(target, drafter, monkeypatch):
+    """No ``eos_token_ids``: each request ends where plain ``generate`` ends, at the target's own EOS (kept)."""
+    eos = plain(target, PROMPTS[0])[5]
+    monkeypatch.setattr(target.generation_config, "eos_token_id", eos)
+    outputs, _ = generate_concurrent(target, drafter, PROMPTS, max_concurrency=2, max_new_tokens=MAX_NEW,
+                                     verification="scheduler")
+    for prompt, output in zip(PROMPTS, outputs):
+        reference = plain(target, prompt, pad_token_id=0)
+        assert output == (reference[: reference.index(eos) + 1] if eos in reference else reference)
+    assert len(outputs[0]) == 6  # the EOS at the sixth new token ends request 0
+    outputs, _ = generate_concurrent(target, drafter, PROMPTS[:1], max_new_tokens=MAX_NEW, eos_token_ids=())
+    assert len(outputs[0]) == MAX_NEW  # () turns the stop off
+
+
 @pytest.mark.parametrize("mode", ["fixed", "threshold"])
 def test_one_request_runs_the_rounds_of_the_single_request_path(target, drafter, mode):
     """At R = 1 the engine drafts, verifies and accepts what `generate` with one prompt does, round for round."""

@@ -97,7 +97,9 @@ class ConcurrentDecoder:
         do_sample: sampling (exact in law per request) or greedy.
         logits_processor: a ``LogitsProcessorList`` applied per request and position (stateless processors only,
             as for one request) to the request's ids after its ``padding`` (:meth:`add`), or ``None``.
-        eos_token_ids: ids that end a request (kept in its output).
+        eos_token_ids: ids that end a request (kept in its output); ``None`` (default): the target's
+            ``generation_config.eos_token_id`` (an id, a list of ids, or none), as plain ``generate`` stops;
+            ``()`` for none.
         stop: ``(request, ids) -> bool`` called after each emitted token (stop strings, custom criteria); the
             request ends there.
         max_requests: ``R``, the most requests in flight at once (:meth:`add` refuses more); the scheduled modes'
@@ -115,7 +117,7 @@ class ConcurrentDecoder:
 
     def __init__(self, target, drafter: DSparkDrafter | None = None, *, block_size: int | None = None,
                  verification: str | None = None, threshold: float | None = None, do_sample: bool = False,
-                 logits_processor=None, eos_token_ids: Iterable[int] = (),
+                 logits_processor=None, eos_token_ids: Iterable[int] | None = None,
                  stop: Callable[[Request, list[int]], bool] | None = None, max_requests: int = 8, sps=None):
         self.target = target
         self.drafter = drafter.bind(target) if drafter is not None else None
@@ -129,6 +131,9 @@ class ConcurrentDecoder:
             self._check_mode()
         self.do_sample = do_sample
         self.processors = logits_processor if logits_processor is not None and len(logits_processor) else None
+        if eos_token_ids is None:
+            eos_token_ids = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+            eos_token_ids = [] if eos_token_ids is None else [eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids
         self.eos = {int(t) for t in eos_token_ids}
         self.stop = stop
         if max_requests < 1:
