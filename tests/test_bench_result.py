@@ -43,12 +43,23 @@ def test_committed_results_round_trip_exactly(path):
 
 @pytest.mark.parametrize("path", COMMITTED, ids=lambda p: str(p.relative_to(ROOT)))
 def test_report_and_card_read_the_typed_result_as_the_json(path):
+    """Typed result and raw JSON give the same report and card sections, and those hold the file's values."""
     data = json.loads(path.read_text())
     result = BenchResult.from_json(data)
     assert markdown_report(result) == markdown_report(data)
     assert sections.speed_section(result) == sections.speed_section(data)
     assert sections.bench_records(result) == sections.bench_records(data)
     assert sections.measured_on_cpu(result) is True and result.machine.cuda is None
+    # and what they show is the file's numbers, read here from the raw JSON (not through the code under test)
+    report, speed, records = markdown_report(result), sections.speed_section(result), sections.bench_records(result)
+    for suite, methods in data["wall_clock"]["suites"].items():
+        for method, row in methods.items():
+            assert f"| {method} | {row['median_tokens_per_s']:.2f} | {row['median_speedup']:.2f} |" in report
+            assert records["speedup"][method][suite] == row["median_speedup"]
+    for mode, drafters in data["tau"].items():
+        for drafter, per_suite in drafters.items():
+            assert records["tau"][mode][drafter] == per_suite
+            assert f"| {drafter} | " + " | ".join(f"{v:.2f}" for v in per_suite.values()) + " |" in speed
 
 
 def test_a_key_absent_from_an_old_file_stays_absent():

@@ -133,3 +133,14 @@ def test_evaluate_prefix_survival_equals_the_bench_calibration_tables(load, reco
     for ours, theirs in zip(raw["positions"], summary["positions"]):
         assert ours["ece"] == pytest.approx(theirs["ece_before"]) and ours["survival_rate"] == theirs["survival_rate"]
     assert raw["ece"] != pytest.approx(calibrated["ece"])  # the temperatures changed something
+    # both sides above call prefix_survival_metrics; the values themselves, from scikit-learn on a = cumprod(c)
+    # against 1[n >= k] (paper §3.2.1), so a wrong ECE in the one shared function shows here
+    pytest.importorskip("sklearn")
+    labels = (np.array(accepted)[:, None] >= np.arange(1, GAMMA + 1)).astype(int)  # (N, γ)
+    calibrated_c = sts.apply(torch.tensor(confidences, dtype=torch.float64)).numpy()
+    for result, c in ((raw, np.array(confidences)), (calibrated, calibrated_c)):
+        survival = np.cumprod(c, axis=1)  # (N, γ)
+        eces = [sklearn_ece(survival[:, k], labels[:, k], 15) for k in range(GAMMA)]
+        assert [p["ece"] for p in result["positions"]] == pytest.approx(eces, abs=1e-12)
+        assert result["ece"] == pytest.approx(np.mean(eces), abs=1e-12)
+        assert [p["survival_rate"] for p in result["positions"]] == pytest.approx(labels.mean(axis=0).tolist())

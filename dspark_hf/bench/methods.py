@@ -23,11 +23,11 @@ class BuiltinDFlashAdapter(torch.nn.Module):
     declares ``block_size = γ + 1`` and returns ``[h_1, h_1, ..., h_γ]`` (slot 0 is never read). What differs
     from the drafter's own path, by construction of the built-in one:
 
-    * the mask slots use the drafter's :meth:`~dspark_hf.model.DSparkDrafter.mask_vector` (v2: the target's
+    * the mask slots use the drafter's :meth:`~dspark_hf.modeling.modeling_dspark.DSparkDrafter.mask_vector` (v2: the target's
       embedding of ``mask_token_id``, as the built-in path; v1: the learned mask embedding, with
       ``mask_token_id = 0`` a placeholder the adapter never reads);
     * logits come from the target's FULL lm_head, so a restricted draft vocabulary is not enforced;
-    * the context K/V live in the drafter's own :class:`~dspark_hf.model.DraftContext` (reset whenever the
+    * the context K/V live in the drafter's own :class:`~dspark_hf.modeling.outputs.DraftContext` (reset whenever the
       generator brings a new ``DFlashCache``, i.e. per ``generate`` call), which holds accepted positions
       only, so the generator's ``cache.crop`` has nothing to remove.
 
@@ -112,7 +112,7 @@ def modes_of(drafter) -> list[str]:
 
 
 def lookup_mode_of(drafter, gamma: int) -> str | None:
-    """Verification mode of a drafter's hybrid method (``dspark_lookup=True``, :mod:`dspark_hf.lookup`): its
+    """Verification mode of a drafter's hybrid method (``dspark_lookup=True``, :mod:`dspark_hf.decoding.lookup`): its
     config's mode when that is a scheduled one, else ``"async"``; ``None`` without calibrated confidences for γ."""
     if unmet_need(drafter, "async", gamma) is not None:  # needs what the scheduled modes need
         return None

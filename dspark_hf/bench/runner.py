@@ -1,6 +1,6 @@
 """``dspark bench``: one command, one run, the paper's §4 measurements on this machine.
 
-What is measured (paper §4; symbols as in :mod:`dspark_hf.calibration`):
+What is measured (paper §4; symbols as in :mod:`dspark_hf.decoding.calibration`):
 
 1. τ, accepted length per round INCLUDING the bonus token, under fixed-length verification (every
    round verifies all γ drafts: the Table 1 protocol), greedy and T = 1 sampling, per suite and as
@@ -11,7 +11,7 @@ What is measured (paper §4; symbols as in :mod:`dspark_hf.calibration`):
 4. Wall clock, greedy: tokens/s and speedup over plain ``generate`` of plain, prompt lookup, the
    built-in ``speculation_type="dflash"`` path (parallel drafters, through :class:`BuiltinDFlashAdapter`),
    every drafter's verification modes and each calibrated drafter's hybrid with prompt lookup
-   (``<drafter>:<mode>+lookup``, :mod:`dspark_hf.lookup`); methods interleaved prompt by prompt, every greedy
+   (``<drafter>:<mode>+lookup``, :mod:`dspark_hf.decoding.lookup`); methods interleaved prompt by prompt, every greedy
    speculative output checked token-identical to plain ``generate``, and the share of each method's tokens that
    came from lookup, DSpark and the target reported.
 5. The machine's SPS curve (one row per context length) and each drafter's cost per round (median draft ms vs

@@ -142,7 +142,7 @@ class SequentialTemperatureScaling:
             confidences: raw ``c`` of shape ``(γ,)`` or ``(N, γ)`` (any leading dims), ``γ <= len(temperatures)``.
 
         Returns:
-            Tensor of the same shape, dtype and device; feed it to :func:`dspark_hf.scheduler.prefix_survival`.
+            Tensor of the same shape, dtype and device; feed it to :func:`dspark_hf.decoding.scheduler.prefix_survival`.
 
         Raises:
             ValueError: not fitted, ``γ`` larger than the fitted positions, or values outside ``[0, 1]``.

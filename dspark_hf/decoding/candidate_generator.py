@@ -55,7 +55,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
     length ℓ by the verification mode and returns ``input_ids + drafts[:ℓ]``. With sampling the drafts
     are drawn from the returned (processed) logits, so transformers' speculative sampling is exact;
     with greedy decoding no logits are returned and the target's argmax decides. With ``dspark_lookup=True`` a
-    :class:`~dspark_hf.lookup.LookupDrafting` plans each round first: a prompt-lookup continuation (no drafter
+    :class:`~dspark_hf.decoding.lookup.LookupDrafting` plans each round first: a prompt-lookup continuation (no drafter
     pass, one-hot proposal logits), the DSpark block, or lookup tokens forced as the block's first drafts.
 
     Raises:
@@ -246,7 +246,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         """Record the number of accepted drafts and the verify time of the round just verified; in the
         scheduled modes the time also refines the SPS curve online (:meth:`~dspark_hf.SPSCurve.observe`)."""
         entry = time.perf_counter()
-        if self.lookup is not None:  # score the round's lookup continuation (dspark_hf.lookup)
+        if self.lookup is not None:  # score the round's lookup continuation (dspark_hf.decoding.lookup)
             self.lookup.update(input_ids, num_matches)
         if self._verify_start is not None and self.stats.rounds:
             last = self.stats.rounds[-1]

@@ -3,7 +3,7 @@
 Each round, before anything is drafted, :class:`LookupDrafting` finds the longest n-gram of the text so far
 (prompt + generated) that ends with the anchor token and occurred earlier, takes what followed it as a
 lookup continuation, and plans one of four proposals by the expected throughput ``Θ(ℓ) = (1 + Σ_{j<=ℓ} a_j) ·
-rate(1 + ℓ)`` (paper §3.2.2, :func:`dspark_hf.scheduler.expected_throughputs`), where ``rate(B)`` is the
+rate(1 + ℓ)`` (paper §3.2.2, :func:`dspark_hf.decoding.scheduler.expected_throughputs`), where ``rate(B)`` is the
 target's SPS curve with the round's costs outside the verification added (:meth:`dspark_hf.SPSCurve.round_rates`:
 bookkeeping every round, the drafter's pass only in rounds that draft):
 

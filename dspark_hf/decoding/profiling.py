@@ -1,12 +1,12 @@
 """The SPS curve: target steps per second when verifying ``B`` tokens at once (paper §3.2.2, §5.2).
 
-The hardware-aware scheduler (:mod:`dspark_hf.scheduler`) needs ``SPS(B)`` for ``B = 1..γ + 1``. The paper
+The hardware-aware scheduler (:mod:`dspark_hf.decoding.scheduler`) needs ``SPS(B)`` for ``B = 1..γ + 1``. The paper
 profiles it "once during engine initialization and stored as a lightweight cost table"; here
 :func:`profile_sps` measures it on the target's own device, :func:`load_or_profile_sps` keeps one JSON per
 (target, device incl. torch thread count, dtype, torch version, linear kernels, context length) under
 ``cache_root() / "sps"`` (``$HF_HOME/dspark_hf/sps``; delete a file, or run ``dspark profile --refresh``, to
 measure again), and :meth:`SPSCurve.observe` refines it online from the verification times that every
-speculative round measures anyway (:class:`~dspark_hf.generation.DSparkCandidateGenerator` calls it).
+speculative round measures anyway (:class:`~dspark_hf.decoding.candidate_generator.DSparkCandidateGenerator` calls it).
 
 Context length. The curve's SHAPE depends on how many tokens are already in the KV cache (attention over
 the cache grows with ``B × context``): on a 2-core CPU verifying 8 tokens costs ~1.1× one token at context

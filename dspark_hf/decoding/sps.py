@@ -32,7 +32,7 @@ class SPSCurve:
     """A profiled capacity curve ``SPS(B)``, per context length, and what it was measured on (paper §3.2.2).
 
     Pass ``curve.at(context_len)`` (or ``curve.steps_per_s`` for the primary context) as the ``sps``
-    argument of :mod:`dspark_hf.scheduler` functions.
+    argument of :mod:`dspark_hf.decoding.scheduler` functions.
 
     Attributes:
         steps_per_s: ``steps_per_s[B - 1]`` = target forward passes per second when verifying ``B``
@@ -43,7 +43,7 @@ class SPSCurve:
         torch_version: ``torch.__version__`` at measurement time.
         context_len: tokens in the KV cache while timing ``steps_per_s`` (the primary row).
         n_params: number of target parameters (tells apart unnamed models of different sizes).
-        linear_kernels: ``"stock"`` or ``"onednn-prepacked"`` (:func:`~dspark_hf.kernels.prepack_linears`
+        linear_kernels: ``"stock"`` or ``"onednn-prepacked"`` (:func:`~dspark_hf.decoding.kernels.prepack_linears`
             flattens the CPU curve, so it is part of what a curve was measured on).
         smoothed: whether :meth:`smooth` has been applied.
         context_curves: further rows ``{context length: steps_per_s list}`` (same length as ``steps_per_s``),
@@ -71,7 +71,7 @@ class SPSCurve:
     torch_version: str
     context_len: int  # tokens in the KV cache while timing
     n_params: int
-    linear_kernels: str = "stock"  # or "onednn-prepacked" (dspark_hf.kernels); older files: stock
+    linear_kernels: str = "stock"  # or "onednn-prepacked" (dspark_hf.decoding.kernels); older files: stock
     smoothed: bool = False  # running minimum applied (monotone non-increasing in B)
     context_curves: dict[int, list[float]] = field(default_factory=dict)  # other context lengths
     noisy: bool = False

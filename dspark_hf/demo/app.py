@@ -139,7 +139,7 @@ def build_app(target, tokenizer, drafter, *, title: str = "DSpark speculative de
 
     Args:
         target: a HF causal LM (the verifier), in eval mode.
-        tokenizer: its tokenizer; prompts go through its chat template (:func:`dspark_hf.data.chat_ids`).
+        tokenizer: its tokenizer; prompts go through its chat template (:func:`dspark_hf.decoding.targets.chat_ids`).
         drafter: a :class:`~dspark_hf.DSparkDrafter` for ``target`` (bound here).
         title: page heading.
         max_new_tokens: initial value of the max-new-tokens slider.
@@ -298,7 +298,7 @@ def launch(target=None, tokenizer=None, drafter=None, *, port: int | None = None
 
     Args:
         target: a model, a Hub id / folder, or ``None`` for the bundled default target
-            (:func:`~dspark_hf.target.load_target`); ``tokenizer`` is required with a model.
+            (:func:`~dspark_hf.decoding.targets.load_target`); ``tokenizer`` is required with a model.
         drafter: a :class:`~dspark_hf.DSparkDrafter`, a folder / Hub id, or ``None`` for the shipped
             one (:func:`~dspark_hf.defaults.default_drafter`).
         port: server port (default ``$GRADIO_SERVER_PORT``, else 7860).

@@ -39,7 +39,7 @@ class RoundView:
     """What the demo knows about one speculative round (a copy taken when its chunk is streamed).
 
     ``accepted`` counts accepted drafts (bonus excluded); ``draft_tokens`` are the γ drafted ids when
-    :class:`~dspark_hf.generation.RoundStats` provides them, else ``None``; the first ``lookup`` drafts came
+    :class:`~dspark_hf.decoding.stats.RoundStats` provides them, else ``None``; the first ``lookup`` drafts came
     from prompt lookup (``dspark_lookup=True``).
     """
 

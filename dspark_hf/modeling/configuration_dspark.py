@@ -76,7 +76,7 @@ class DSparkConfig(PreTrainedConfig):
             vocabulary). ``None`` in v1 (a learned ``mask_embedding`` fills them).
         full_token_table: ``W1`` has one row per TARGET token (``[V, r]``, as the reference heads'
             ``markov_w1``) instead of ``V' + 1`` rows (draft vocabulary + one shared row for the rest).
-            Set by :func:`dspark_hf.export.import_drafter` for reference checkpoints whose ``W1``
+            Set by :func:`dspark_hf.hub.export.import_drafter` for reference checkpoints whose ``W1``
             differs across tokens outside the draft vocabulary.
 
     Raises:
@@ -202,7 +202,7 @@ class DSparkConfig(PreTrainedConfig):
             raise ValueError(
                 "dspark_version 2 needs mask_token_id: a reserved target token outside the draft vocabulary "
                 "whose embedding fills the mask slots (e.g. DSparkConfig.for_target(target, mask_token_id=16) "
-                "for SmolLM2's <empty_output>; dspark_hf.training.reserved_mask_token picks one from a tokenizer)"
+                "for SmolLM2's <empty_output>; dspark_hf.training.trainer.reserved_mask_token picks one from a tokenizer)"
             )
 
     def _check_fields(self):

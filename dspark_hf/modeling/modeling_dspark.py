@@ -131,11 +131,11 @@ class DSparkDrafter(PreTrainedModel):
         """Load a drafter (local folder or Hub id) and, when present, its ``calibration.json``.
 
         A speculators- or DeepSpec-format DSpark checkpoint (vLLM, SGLang, SpecForge) is converted on
-        load by :func:`dspark_hf.export.import_drafter` (``dtype`` applies; other model kwargs do not).
+        load by :func:`dspark_hf.hub.export.import_drafter` (``dtype`` applies; other model kwargs do not).
 
         Raises:
             FileNotFoundError: the argument looks like a local folder that does not exist (at once, naming
-                the directory it was resolved against; :func:`~dspark_hf.target.check_local_path`).
+                the directory it was resolved against; :func:`~dspark_hf.defaults.check_local_path`).
         """
         if EXTENSIONS.check_path is not None:
             EXTENSIONS.check_path(pretrained_model_name_or_path, "drafter")
@@ -168,7 +168,7 @@ class DSparkDrafter(PreTrainedModel):
         return self.__dict__.get("_sps_curve")
 
     def set_sps_curve(self, curve):
-        """Use ``curve`` (an :class:`~dspark_hf.profiling.SPSCurve`) instead of profiling."""
+        """Use ``curve`` (an :class:`~dspark_hf.decoding.sps.SPSCurve`) instead of profiling."""
         self.__dict__["_sps_curve"] = curve
 
     @property
@@ -352,7 +352,7 @@ class DSparkDrafter(PreTrainedModel):
             logits_processor: a ``LogitsProcessorList`` applied to each position's full-vocab logits
                 (given ``prefix_ids`` ``[1, L]`` + the drafts so far), as the target applies it.
             forced_tokens: ``[k]`` ids (``k < γ``) taken as the first k drafts instead of drafting them (prompt
-                lookup tokens, :mod:`dspark_hf.lookup`); later positions are drafted with them as previous
+                lookup tokens, :mod:`dspark_hf.decoding.lookup`); later positions are drafted with them as previous
                 tokens (heads, eqs. 4-7). Their logits rows are one-hot (0 at the id, ``-inf`` elsewhere): the
                 deterministic proposal they are.
 

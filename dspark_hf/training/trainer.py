@@ -3,7 +3,7 @@
 Each step samples sequences, draws many anchors per sequence and packs every anchor's γ-token block
 into one dense forward (anchor-bounded packing: block ``b`` sees context positions ``< a_b`` only).
 The target is never run here: its context-layer features and top-K next-token distributions were
-cached by :mod:`dspark_hf.data` while it regenerated the responses.
+cached by :mod:`dspark_hf.training.data` while it regenerated the responses.
 
 Under ``accelerate launch`` (DDP) the N processes split each step's global batch of
 ``sequences_per_step`` sequences, all-reduce the gradients and take the same optimizer step as one
