@@ -77,7 +77,7 @@ def loading(option: str, value, what: str, default: str):
             raise  # the default itself failed to load: not the user's input
         if Path(value).expanduser().is_dir():
             reason = (f"this folder holds no {what} (a {what} folder has config.json and model.safetensors, as "
-                      f"save_pretrained writes them): {str(err).splitlines()[0].rstrip(".")}")
+                      f"save_pretrained writes them): {str(err).splitlines()[0].rstrip('.')}")
         else:
             offline = "connect" in str(err) or "offline" in str(err).lower()
             reason = ("not a folder here, so it was read as a Hub id, and "
