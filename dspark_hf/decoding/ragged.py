@@ -32,7 +32,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
 from ..modeling.kv_buffer import KVBuffer
-from .attention import sdpa_gqa_attention_forward
+from .attention import SDPA_GQA, sdpa_gqa_attention_forward
 
 RAGGED = "dspark_ragged"  # the attn_implementation name registered by register_ragged_attention
 
@@ -143,7 +143,7 @@ def ragged_attention(target: torch.nn.Module):
             attention.SDPA_GQA` (flash / flex kernels keep their own cache layouts and are not wrapped here).
     """
     before = getattr(target.config, "_attn_implementation", None)
-    if before not in ("sdpa", "eager", "dspark_sdpa_gqa", RAGGED):
+    if before not in ("sdpa", "eager", SDPA_GQA, RAGGED):
         raise ValueError(f"Batched DSpark decoding runs the target's attention as {RAGGED!r} and supports targets "
                          f"using 'sdpa' or 'eager' attention; this one uses {before!r}.")
     if before != RAGGED:

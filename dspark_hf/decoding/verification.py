@@ -163,7 +163,7 @@ def accept_drafts(prefix_ids: torch.Tensor, drafts: torch.Tensor, draft_logits: 
     if not do_sample:
         selected = target_logits.argmax(-1)  # [ℓ + 1]
         n = int((drafts == selected[:length]).long().cumprod(0).sum()) if length else 0
-        return selected[: n + 1].tolist() if n == 0 else drafts[:n].tolist() + [int(selected[n])]
+        return selected[: n + 1].tolist()  # the n accepted drafts equal the argmax they matched
     if length == 0:
         return torch.multinomial(target_logits[0].softmax(-1), 1).tolist()
     if draft_logits is None:
