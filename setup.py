@@ -8,7 +8,7 @@ from pathlib import Path
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-SHIPPED_DRAFTERS = ["dspark-smollm2-135m-instruct"]  # folders of model_cards/ that go into the wheel
+SHIPPED_DRAFTERS = ["dspark-smollm2-135m-instruct"]  # folders of drafters/ that go into the wheel
 # the weights (one file or <= 16 MB shards + their index), the config, the STS calibration and the training record
 DRAFTER_FILES = ("config.json", "model*.safetensors", "model.safetensors.index.json", "calibration.json", "training.json")
 
@@ -17,8 +17,8 @@ class BuildPyWithDrafters(build_py):
     def run(self):
         super().run()
         for name in SHIPPED_DRAFTERS:
-            source = Path("model_cards") / name
-            if not source.is_dir():  # e.g. an sdist without model_cards/: the wheel then has no default drafter
+            source = Path("drafters") / name
+            if not source.is_dir():  # e.g. an sdist without drafters/: the wheel then has no default drafter
                 continue
             target = Path(self.build_lib) / "dspark_hf" / "drafters" / name
             target.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 config, the benchmark records and the cache area.
 
 A source checkout and an installed wheel differ only here: the shipped drafter is read from the checkout's
-``model_cards/<name>/`` when there is one, else from the copy the wheel carries as package data
+``drafters/<name>/`` when there is one, else from the copy the wheel carries as package data
 (``dspark_hf/drafters/<name>/``, put there by ``setup.py``'s ``build_py``). Nothing in this module imports
 torch or another part of the package, so every layer may use it (``modeling/`` does not: it ships to the Hub).
 """
@@ -18,26 +18,26 @@ from huggingface_hub.constants import HF_HOME
 
 __version__ = "0.1.0"  # also in pyproject.toml
 PACKAGE_ROOT = Path(__file__).resolve().parent
-REPO_ROOT = PACKAGE_ROOT.parent  # the source checkout (holds model_cards/, configs/, docs/); in a wheel: site-packages
-DEFAULT_DRAFTER_NAME = "dspark-smollm2-135m-instruct"  # the shipped drafter (model_cards/<name>/)
+REPO_ROOT = PACKAGE_ROOT.parent  # the source checkout (holds drafters/, configs/, docs/); in a wheel: site-packages
+DEFAULT_DRAFTER_NAME = "dspark-smollm2-135m-instruct"  # the shipped drafter (drafters/<name>/)
 PACKAGED_DRAFTERS = PACKAGE_ROOT / "drafters"  # where a wheel carries the shipped drafter (setup.py)
 DEFAULT_TRAIN_CONFIG = REPO_ROOT / "configs" / "dspark-smollm2-135m-instruct.yaml"
 DEFAULT_BENCH = REPO_ROOT / "docs" / "benchmarks.json"  # `dspark bench --out docs`; read by `dspark card`
 DEFAULT_COMPARE = DEFAULT_BENCH.with_name("compare.json")  # written by scripts/compare_generate.py
 # `dspark bench --drafters`: name=folder (relative folders are resolved against the checkout)
-DEFAULT_BENCH_DRAFTERS = (f"dspark=model_cards/{DEFAULT_DRAFTER_NAME},dspark-rnn=ablations/dspark-rnn-smollm2-135m-instruct,"
+DEFAULT_BENCH_DRAFTERS = (f"dspark=drafters/{DEFAULT_DRAFTER_NAME},dspark-rnn=ablations/dspark-rnn-smollm2-135m-instruct,"
                           "dflash=ablations/dflash-smollm2-135m-instruct")
 
 
 def default_drafter() -> Path:
-    """Folder of the shipped drafter: the checkout's ``model_cards/<name>`` when there is one, else the wheel's
-    package-data copy (which may be missing, e.g. in a source tree without model_cards; callers check)."""
-    checkout = REPO_ROOT / "model_cards" / DEFAULT_DRAFTER_NAME
+    """Folder of the shipped drafter: the checkout's ``drafters/<name>`` when there is one, else the wheel's
+    package-data copy (which may be missing, e.g. in a source tree without drafters; callers check)."""
+    checkout = REPO_ROOT / "drafters" / DEFAULT_DRAFTER_NAME
     return checkout if (checkout / "config.json").is_file() else PACKAGED_DRAFTERS / DEFAULT_DRAFTER_NAME
 
 
 def resolve_checkout_path(folder: str | os.PathLike) -> Path:
-    """``folder`` as given when it exists; else, when relative, the checkout's copy; else, for ``model_cards/<name>``,
+    """``folder`` as given when it exists; else, when relative, the checkout's copy; else, for ``drafters/<name>``,
     the copy an installed wheel carries (``dspark_hf/drafters/<name>``, as :func:`default_drafter` finds it), so
     ``dspark bench``'s default ``--drafters`` finds the shipped drafter wherever ``dspark generate`` does."""
     folder = Path(folder)
@@ -45,7 +45,7 @@ def resolve_checkout_path(folder: str | os.PathLike) -> Path:
         return folder
     if (REPO_ROOT / folder).is_dir():
         return REPO_ROOT / folder
-    if folder.parent == Path("model_cards") and (PACKAGED_DRAFTERS / folder.name).is_dir():
+    if folder.parent == Path("drafters") and (PACKAGED_DRAFTERS / folder.name).is_dir():
         return PACKAGED_DRAFTERS / folder.name
     return folder
 
@@ -127,7 +127,7 @@ def check_local_path(name_or_path: str | os.PathLike, what: str = "model") -> No
     ``from_pretrained`` treats any missing folder as a Hub id and, offline, retries for ~30 s before a
     "couldn't connect" message. A name is local-looking when it is a ``Path``, starts with ``.``, ``/`` or
     ``~``, has a backslash or more than one ``/``, or has one ``/`` after a part that is an existing folder
-    here or cannot be a Hub account (those are letters, digits and single dashes, e.g. ``model_cards/x``).
+    here or cannot be a Hub account (those are letters, digits and single dashes, e.g. ``drafters/x``).
     Plain Hub ids (``org/name``, ``name``) pass through.
 
     Args:

@@ -1,7 +1,7 @@
 """The metrics of DSpark decoding, in one place: τ, conditional acceptance, ECE / Brier / ROC-AUC.
 
 The bench (:mod:`dspark_hf.bench`), calibration (:mod:`dspark_hf.decoding.calibration`), the generation statistics
-(:class:`dspark_hf.decoding.stats.GenerationStats`), the demo and the ``evaluate`` modules under ``metrics/``
+(:class:`dspark_hf.decoding.stats.GenerationStats`), the demo and the ``evaluate`` modules under ``evaluate_metrics/``
 in the repository all call these functions. Symbols follow the paper:
 
 - A *round* is one speculative step; ``accepted`` (``n``) = draft tokens the target accepted in it, bonus

@@ -4,7 +4,7 @@
 # paths, <= 64 MiB a call). `slim` removes from the working tree, through git's sparse checkout (the files stay
 # tracked, flagged skip-worktree: `git status` stays clean and no commit can record their removal):
 #   ablations/          the RNN / DFlash baselines (36.9 MiB)     docs/   plots and benchmark records (1.6 MiB)
-#   model_cards/*/*.safetensors  the shipped drafter's weights (20.1 MiB; gpu_stage.py stages them for call A)
+#   drafters/*/*.safetensors  the shipped drafter's weights (20.1 MiB; gpu_stage.py stages them for call A)
 #   bash scripts/device_tree.sh slim      # before the two device calls
 #   bash scripts/device_tree.sh restore   # after them: every file back from git (git sparse-checkout disable)
 #   bash scripts/device_tree.sh size      # MiB that would travel now (as gpu_stage.py and the device count)
@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 case "${1:-size}" in
     slim)
-        git sparse-checkout set --no-cone '/*' '!/ablations/' '!/docs/' '!/model_cards/*/*.safetensors' 2>/dev/null ;;
+        git sparse-checkout set --no-cone '/*' '!/ablations/' '!/docs/' '!/drafters/*/*.safetensors' 2>/dev/null ;;
     restore)
         git sparse-checkout disable ;;
     size) ;;

@@ -108,10 +108,10 @@ def drafter_tar(out: Path) -> None:
     from dspark_hf.defaults import DEFAULT_DRAFTER_NAME
 
     subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", "--prefix=drafter/", "-o", str(out),
-                    f"HEAD:model_cards/{DEFAULT_DRAFTER_NAME}", "--", "*.json", "*.safetensors"], check=True)
+                    f"HEAD:drafters/{DEFAULT_DRAFTER_NAME}", "--", "*.json", "*.safetensors"], check=True)
     with tarfile.open(out) as tar:
         if not any(name.endswith(".safetensors") for name in tar.getnames()):
-            sys.exit(f"gpu_stage: no weights of model_cards/{DEFAULT_DRAFTER_NAME} at HEAD")
+            sys.exit(f"gpu_stage: no weights of drafters/{DEFAULT_DRAFTER_NAME} at HEAD")
 
 
 def split_gguf(gguf: Path, first_bytes: int, out_a: Path, out_b: Path) -> None:

@@ -4,7 +4,7 @@ Each argument is a run folder of ``dspark train`` (its ``log.jsonl`` and ``train
 whose ``training.json`` carries the curve (``dspark_hf.training.curve``: warm starts included, so the shipped
 drafters' curves come with them). Writes a PNG (log-scale x) and prints a table.
 
-    python scripts/learning_curve.py model_cards/dspark-smollm2-135m-instruct ablations/* --out docs/learning_curve.png
+    python scripts/learning_curve.py drafters/dspark-smollm2-135m-instruct ablations/* --out docs/learning_curve.png
 """
 
 import argparse

@@ -77,11 +77,11 @@ def test_missing_folders_are_named(no_loading, argv, message):
 
 
 def test_relative_path_with_an_existing_parent_is_named(no_loading, tmp_path, monkeypatch):
-    """`model_cards/typo` is also a valid Hub id; its parent existing here makes it a path: a message, no traceback."""
-    (tmp_path / "model_cards").mkdir()
+    """`drafters/typo` is also a valid Hub id; its parent existing here makes it a path: a message, no traceback."""
+    (tmp_path / "drafters").mkdir()
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit, match="--drafter model_cards/typo: No drafter folder at 'model_cards/typo'"):
-        cli.main(["generate", "hi", "--drafter", "model_cards/typo"])
+    with pytest.raises(SystemExit, match="--drafter drafters/typo: No drafter folder at 'drafters/typo'"):
+        cli.main(["generate", "hi", "--drafter", "drafters/typo"])
 
 
 def offline(*args, **kwargs):

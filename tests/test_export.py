@@ -330,7 +330,7 @@ def test_cli_export_and_import(target_dir, tmp_path):
 
 # ----------------------------------------------------------------------- the real target (SmolLM2-135M-Instruct)
 ROOT = Path(__file__).resolve().parent.parent
-SHIPPED = ["model_cards/dspark-smollm2-135m-instruct", "ablations/dspark-rnn-smollm2-135m-instruct",
+SHIPPED = ["drafters/dspark-smollm2-135m-instruct", "ablations/dspark-rnn-smollm2-135m-instruct",
            "ablations/dflash-smollm2-135m-instruct"]
 V1 = "tests/fixtures/v1/dspark-tiny"  # a tiny v1 checkpoint, made by the code before v2 existed (make_v1_fixtures.py)
 

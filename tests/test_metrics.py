@@ -1,5 +1,5 @@
 """dspark_hf.metrics (the one home of τ, conditional acceptance, ECE / Brier / ROC-AUC): scikit-learn
-cross-checks, and the `evaluate` modules under metrics/ loaded offline against the bench on recorded rounds.
+cross-checks, and the `evaluate` modules under evaluate_metrics/ loaded offline against the bench on recorded rounds.
 
 `evaluate` and scikit-learn are test-only extras (`pip install -e '.[dev]'`); without them these tests skip.
 """
@@ -16,7 +16,7 @@ from dspark_hf import SequentialTemperatureScaling
 from dspark_hf.bench import runner as bench
 from dspark_hf.metrics import brier_score, expected_calibration_error, prefix_survival_metrics, roc_auc
 
-METRICS = Path(__file__).resolve().parent.parent / "metrics"
+METRICS = Path(__file__).resolve().parent.parent / "evaluate_metrics"
 GAMMA = 4
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -15,16 +15,16 @@ from dspark_hf.training.config import TrainConfig
 
 def test_default_drafter_prefers_the_checkout_then_the_wheel_copy(tmp_path, monkeypatch):
     checkout = tmp_path / "repo"
-    (checkout / "model_cards" / defaults.DEFAULT_DRAFTER_NAME).mkdir(parents=True)
-    (checkout / "model_cards" / defaults.DEFAULT_DRAFTER_NAME / "config.json").write_text("{}")
+    (checkout / "drafters" / defaults.DEFAULT_DRAFTER_NAME).mkdir(parents=True)
+    (checkout / "drafters" / defaults.DEFAULT_DRAFTER_NAME / "config.json").write_text("{}")
     monkeypatch.setattr(defaults, "REPO_ROOT", checkout)
-    assert defaults.default_drafter() == checkout / "model_cards" / defaults.DEFAULT_DRAFTER_NAME
-    monkeypatch.setattr(defaults, "REPO_ROOT", tmp_path / "site-packages")  # an installed wheel: no model_cards/
+    assert defaults.default_drafter() == checkout / "drafters" / defaults.DEFAULT_DRAFTER_NAME
+    monkeypatch.setattr(defaults, "REPO_ROOT", tmp_path / "site-packages")  # an installed wheel: no drafters/
     assert defaults.default_drafter() == defaults.PACKAGED_DRAFTERS / defaults.DEFAULT_DRAFTER_NAME
 
 
 def test_bench_finds_the_shipped_drafter_where_generate_does(tmp_path, monkeypatch):
-    """Issue 26: from an installed wheel, `dspark bench` looked for model_cards/ in the current directory only."""
+    """Issue 26: from an installed wheel, `dspark bench` looked for drafters/ in the current directory only."""
     from dspark_hf.bench.loading import parse_drafters
 
     wheel = tmp_path / "site-packages" / "dspark_hf"

@@ -63,7 +63,7 @@ def test_cached_copy_matches_gguf_logits(default_target):
 
 
 PROMPTS = ["What is the capital of France?", "Write a Python function that reverses a string.", "hi"]
-SHIPPED = Path(__file__).resolve().parent.parent / "model_cards" / "dspark-smollm2-135m-instruct"
+SHIPPED = Path(__file__).resolve().parent.parent / "drafters" / "dspark-smollm2-135m-instruct"
 
 
 def _greedy(model, tokenizer, prompt, **kwargs):
@@ -179,7 +179,7 @@ def test_cli_generate_compare_json():
 
 
 # ------------------------------------------------------------------------- local-looking paths
-@pytest.mark.parametrize("name", ["model_cards/dspark-smollm2-135m-instruct", "./drafter", "../x", "a/b/c",
+@pytest.mark.parametrize("name", ["drafters/dspark-smollm2-135m-instruct", "./drafter", "../x", "a/b/c",
                                   "~/nowhere", "runs\\drafter"])
 def test_missing_local_looking_drafter_fails_at_once(name, tmp_path, monkeypatch):
     from dspark_hf import DSparkDrafter
@@ -194,8 +194,8 @@ def test_missing_local_looking_drafter_fails_at_once(name, tmp_path, monkeypatch
 
 def test_missing_checkout_folder_names_the_checkout(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(FileNotFoundError, match="Did you mean .*model_cards/dspark-smollm2-135m-instruct"):
-        check_local_path("model_cards/dspark-smollm2-135m-instruct", "drafter")
+    with pytest.raises(FileNotFoundError, match="Did you mean .*drafters/dspark-smollm2-135m-instruct"):
+        check_local_path("drafters/dspark-smollm2-135m-instruct", "drafter")
 
 
 @pytest.mark.parametrize("name", ["HuggingFaceTB/SmolLM2-135M-Instruct", "gpt2", "org-name/model_v1.5"])

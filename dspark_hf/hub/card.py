@@ -1,6 +1,6 @@
 """The Hub side of a drafter: its model card, its ``custom_generate/`` recipe and the upload.
 
-A drafter folder (``model_cards/<name>/``) is exactly what its Hub repo holds:
+A drafter folder (``drafters/<name>/``) is exactly what its Hub repo holds:
 
 * ``config.json``, ``model.safetensors`` (or its shards with their index) and the modeling code named by ``config.auto_map``
   (``config.py``, ``model.py`` and their relative imports; :meth:`DSparkDrafter.save_pretrained` copies

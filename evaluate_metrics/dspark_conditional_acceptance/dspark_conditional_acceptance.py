@@ -1,5 +1,5 @@
 """Position-wise conditional acceptance as an `evaluate` metric:
-`evaluate.load("metrics/dspark_conditional_acceptance")`.
+`evaluate.load("evaluate_metrics/dspark_conditional_acceptance")`.
 
 The maths is :func:`dspark_hf.metrics.conditional_acceptance` (what the bench reports, paper Fig. 2).
 """
@@ -20,7 +20,7 @@ Args:
 Returns:
     conditional_acceptance (`list` of `float` or `None`): γ rates; `None` where no round reached position k.
 Examples:
-    >>> metric = evaluate.load("metrics/dspark_conditional_acceptance")
+    >>> metric = evaluate.load("evaluate_metrics/dspark_conditional_acceptance")
     >>> metric.compute(accepted=[0, 2, 2, 1], gamma=2)
     {'conditional_acceptance': [0.75, 0.6666666666666666]}
 """

@@ -1,5 +1,5 @@
 """ECE, Brier score and ROC-AUC of DSpark's prefix survival as an `evaluate` metric:
-`evaluate.load("metrics/dspark_prefix_survival")`.
+`evaluate.load("evaluate_metrics/dspark_prefix_survival")`.
 
 The maths is :func:`dspark_hf.metrics.prefix_survival_metrics` (also behind `SequentialTemperatureScaling.report`
 and the bench's calibration tables).
@@ -26,7 +26,7 @@ Returns:
     outcomes occur; n_rounds (`int`); positions (`list` of `dict`): per position k `position`, `survival_rate`,
     `ece`, `brier`, `roc_auc`.
 Examples:
-    >>> metric = evaluate.load("metrics/dspark_prefix_survival")
+    >>> metric = evaluate.load("evaluate_metrics/dspark_prefix_survival")
     >>> round(metric.compute(confidences=[[0.9, 0.5], [0.2, 0.5]], accepted=[2, 0])["brier"], 6)
     0.090625
 """

@@ -1,4 +1,4 @@
-"""Launch the DSpark Gradio demo: ``python demo/app.py [--port P] [--share false] [--target T] [--drafter D]``.
+"""Launch the DSpark Gradio demo: ``python app.py [--port P] [--share false] [--target T] [--drafter D]``.
 
 A thin launcher for ``dspark demo`` (see :mod:`dspark_hf.demo.app`); the port also honours $GRADIO_SERVER_PORT.
 """

@@ -1,4 +1,4 @@
-"""τ of DSpark speculative decoding as an `evaluate` metric: `evaluate.load("metrics/dspark_tau")`.
+"""τ of DSpark speculative decoding as an `evaluate` metric: `evaluate.load("evaluate_metrics/dspark_tau")`.
 
 The maths is :func:`dspark_hf.metrics.tau` (the same function the bench and `GenerationStats.tau` use).
 """
@@ -18,7 +18,7 @@ Args:
 Returns:
     tau (`float` or `None`): mean(n + 1); `None` for no rounds.
 Examples:
-    >>> metric = evaluate.load("metrics/dspark_tau")
+    >>> metric = evaluate.load("evaluate_metrics/dspark_tau")
     >>> metric.compute(accepted=[0, 3, 7])
     {'tau': 4.333333333333333}
 """
