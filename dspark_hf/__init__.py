@@ -9,8 +9,8 @@ calibration, CPU kernels and checkpoint converters into the drafter (``modeling_
 was imported, and the ``dspark`` command before running a command.
 
 Layers (imports point one way; ``tests/test_layering.py`` checks it):
-``modeling`` ← ``decoding`` ← {``training``, ``evaluation``} ← {``bench``, ``hub``, ``demo``} ← ``cli``,
-with ``defaults`` (paths and ids) and ``metrics`` (pure maths) below every layer but ``modeling``.
+``modeling`` ← ``decoding`` ← ``sources`` ← {``training``, ``evaluation``} ← {``bench``, ``hub``, ``demo``}
+← ``cli``, with ``defaults`` (paths and ids) and ``metrics`` (pure maths) below every layer but ``modeling``.
 """
 
 from importlib import import_module

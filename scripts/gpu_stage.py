@@ -82,14 +82,15 @@ def wheels_archive(out: Path, pythons: list[str]) -> None:
 
 
 def queue_and_prompts(out_queue: Path, out_prompts: Path, queue_args: dict) -> tuple[int, int]:
-    """The regeneration queue (:func:`~dspark_hf.training.data.sharegpt_queue` with ``queue_args``, minus the records
+    """The regeneration queue (:func:`~dspark_hf.sources.prompt_queue.sharegpt_queue` with ``queue_args``, minus the records
     the committed tokens file already holds) and :data:`N_PROMPTS` held-out chat prompts, as token ids."""
     from transformers import AutoTokenizer
 
     from dspark_hf.bench.settings import BenchSettings
     from dspark_hf.bench.suites import encode_suites, suite_texts
     from dspark_hf.decoding.targets import convert_default_target
-    from dspark_hf.training.data import read_tokens, sharegpt_queue
+    from dspark_hf.sources.prompt_queue import sharegpt_queue
+    from dspark_hf.training.data import read_tokens
 
     tokenizer = AutoTokenizer.from_pretrained(convert_default_target())
     tokens_file = ROOT / "data" / "smollm2-135m-instruct-tokens.jsonl.gz"

@@ -20,7 +20,7 @@ from dspark_hf.bench import suites as suites_mod
 from dspark_hf.cli import bench as bench_cli
 from dspark_hf.decoding.stats import GenerationStats, RoundStats
 from dspark_hf.evaluation.bench_result import BenchResult
-from dspark_hf.training.data import is_math_problem
+from dspark_hf.sources.categories import is_math_problem
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -116,7 +116,7 @@ class _CharTokenizer:
 
 
 def test_long_suite_is_held_out_conversations_in_its_token_window():
-    from dspark_hf.training.data import conversation_key, split_of
+    from dspark_hf.sources.sharegpt import conversation_key, split_of
 
     prompts = suites_mod.long_prompts()
     kinds = [record_id.split(":")[0] for record_id, _ in prompts]
@@ -182,7 +182,7 @@ def test_prompt_floor_takes_a_floor_round_apart():
 
 def test_low_acceptance_suite_is_held_out_chat():
     """The low-acceptance set (issue #28): at least 10 held-out chat prompts, in the order they were ranked."""
-    from dspark_hf.training.data import split_of
+    from dspark_hf.sources.sharegpt import split_of
 
     texts = suites_mod.suite_texts(["low-accept", "chat"])
     low = texts["low-accept"]

@@ -3,11 +3,12 @@ conversation's split, appended after the first-turn queue."""
 
 import pytest
 
-from dspark_hf.decoding.targets import load_default_target
-from dspark_hf.training import data
+from dspark_hf.decoding.targets import chat_ids, load_default_target
+from dspark_hf.sources import sharegpt
+from dspark_hf.sources.conversations import chat_messages, first_human_turn, first_reply, later_turns
+from dspark_hf.sources.prompt_queue import reply_ids, sharegpt_queue
+from dspark_hf.sources.sharegpt import split_of
 from dspark_hf.training.config import TrainConfig
-from dspark_hf.training.conversations import chat_messages, first_human_turn, first_reply, later_turns
-from dspark_hf.training.data import chat_ids, reply_ids, sharegpt_queue, split_of
 
 
 def _record(record_id, *texts, speakers=None):
@@ -47,7 +48,7 @@ def test_the_all_turns_queue_extends_the_first_turn_queue(tokenizer, monkeypatch
     records = [_record("conv0_0", "Hi there", "Hello!", "Tell me a joke", "Why did the chicken...", "Another"),
                _record("conv42_0", "What is Python?", "A language.", "Who made it?", "Guido."),  # validation
                _record("conv1_0", "Name a colour", "Blue.")]
-    monkeypatch.setattr(data, "load_sharegpt", lambda: records)
+    monkeypatch.setattr(sharegpt, "load_sharegpt", lambda: records)
     first = sharegpt_queue(tokenizer)
     every = sharegpt_queue(tokenizer, turns="all")
     assert first[0][0] == "conv42_0" and {i[0] for i in first[1:]} == {"conv0_0", "conv1_0"}  # held-out first

@@ -345,7 +345,7 @@ def real_target():
 
 
 def real_context(model, tokenizer, drafter):
-    from dspark_hf.training.data import chat_ids
+    from dspark_hf.decoding.targets import chat_ids
 
     ids = torch.tensor([chat_ids(tokenizer, "Write a Python function that reverses a string.")])
     with torch.no_grad():

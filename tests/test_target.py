@@ -13,8 +13,7 @@ import torch
 from dspark_hf import DSparkConfig, DSparkDrafter
 from dspark_hf.decoding import targets as target_mod
 from dspark_hf.decoding.kernels import is_prepacked
-from dspark_hf.decoding.targets import check_local_path
-from dspark_hf.training.data import chat_ids
+from dspark_hf.decoding.targets import chat_ids, check_local_path
 
 
 def test_missing_package_names_install_command(monkeypatch):

@@ -26,11 +26,12 @@ from transformers.utils.hub import convert_file_size_to_int
 import dspark_hf
 from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling
 from dspark_hf.cli.main import main as cli_main
-from dspark_hf.decoding.targets import load_default_target
+from dspark_hf.decoding.targets import chat_ids, load_default_target
 from dspark_hf.modeling.configuration_dspark import spread_layer_ids
+from dspark_hf.sources.prompt_queue import reply_ids
 from dspark_hf.training import trainer as training
 from dspark_hf.training.curve import inherited_curve, run_curve
-from dspark_hf.training.data import chat_ids, export_tokens, load_shards, prepare_data, reply_ids
+from dspark_hf.training.data import export_tokens, load_shards, prepare_data
 from dspark_hf.training.packing import FeatureBatcher, FeatureStore
 from dspark_hf.training.trainer import (
     TrainConfig,

@@ -330,7 +330,7 @@ def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps
     """
     from ..decoding.profiling import load_or_profile_sps
     from ..decoding.targets import kernels_label
-    from ..training import data
+    from ..sources import categories
 
     notes = list(notes or [])
     start = time.perf_counter()
@@ -375,8 +375,8 @@ def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps
         schema_version=SCHEMA_VERSION,
         machine=MachineRecord.current(command, kernels_label(target)),
         settings=RunSettings(**{**asdict(settings), "thresholds": list(settings.thresholds)}, math_filter=MathFilter(
-            keywords_or_arithmetic=data.MATH_PATTERN.pattern, excluded=data.NOT_MATH_PATTERN.pattern,
-            max_chars=data.MATH_MAX_CHARS)),
+            keywords_or_arithmetic=categories.MATH_PATTERN.pattern, excluded=categories.NOT_MATH_PATTERN.pattern,
+            max_chars=categories.MATH_MAX_CHARS)),
         suites={s: SuiteRecord(n_prompts=len(p), ids=[i for i, _ in p], prompt_tokens=[len(x) for _, x in p])
                 for s, p in suites.items()},
         drafters={n: DrafterRecord(**describe_drafter(d)) for n, d in drafters.items()},

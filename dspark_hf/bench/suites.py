@@ -1,6 +1,6 @@
 """The prompt suites of ``dspark bench``: ``code`` = HumanEval; ``chat`` = held-out ShareGPT (``sharegpt_prompts("test")``,
 never train/validation/calibration) minus the math ones; ``math`` = the held-out ShareGPT conversations that
-:func:`~dspark_hf.training.data.is_math_problem` accepts; ``custom`` = a JSONL file of ``{"prompt": ...}`` lines;
+:func:`~dspark_hf.sources.categories.is_math_problem` accepts; ``custom`` = a JSONL file of ``{"prompt": ...}`` lines;
 ``long`` (not run by default) = held-out ShareGPT prompts of 1.5k-3.5k tokens (:func:`long_prompts`); ``low-accept``
 (not run by default) = the held-out chat prompts where the drafter accepts least (:data:`LOW_ACCEPTANCE_IDS`)."""
 
@@ -49,7 +49,7 @@ def long_prompts() -> list[tuple[str, list[dict]]]:
     6k-14k characters in all; id ``turns:<record>``), each answered at its last user turn; one per conversation.
     :func:`encode_suites` keeps those of 1.5k-3.5k tokens.
     """
-    from ..training.data import conversation_key, load_sharegpt, split_of
+    from ..sources.sharegpt import conversation_key, load_sharegpt, split_of
 
     documents, conversations, seen = [], [], set()
     for record in load_sharegpt():
@@ -81,7 +81,9 @@ def suite_texts(names: Sequence[str], prompts_file: str | None = None) -> dict[s
     Raises:
         ValueError: an unknown suite, or ``custom`` without ``prompts_file``.
     """
-    from ..training.data import humaneval_prompts, is_math_problem, sharegpt_prompts
+    from ..sources.categories import is_math_problem
+    from ..sources.humaneval import humaneval_prompts
+    from ..sources.sharegpt import sharegpt_prompts
 
     unknown = set(names) - {*SUITES, *OTHER_SUITES}
     if unknown:

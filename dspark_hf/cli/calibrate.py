@@ -16,7 +16,7 @@ HELP = "fit Sequential Temperature Scaling (STS) on calibration rounds: calibrat
 def run(args):
     from ..decoding.calibration import SequentialTemperatureScaling, reliability_diagram
     from ..evaluation.runs import collect_rounds
-    from ..training.data import sharegpt_queue
+    from ..sources.prompt_queue import sharegpt_queue
 
     target, tokenizer, drafter = load_models(args)
     prompts = [ids for _, _, ids in sharegpt_queue(tokenizer, ("calibration",))[: args.prompts]]

@@ -74,7 +74,7 @@ class MachineRecord(Record):
 @dataclass
 class MathFilter(Record):
     """What made a ShareGPT prompt a ``math`` one: ``keywords_or_arithmetic`` and ``excluded`` (regular
-    expressions) and ``max_chars`` (longest prompt, characters); see :func:`dspark_hf.training.data.is_math_problem`."""
+    expressions) and ``max_chars`` (longest prompt, characters); see :func:`dspark_hf.sources.categories.is_math_problem`."""
 
     keywords_or_arithmetic: str
     excluded: str

@@ -3,7 +3,7 @@ with the conversation before it, as the prompt of one more training row.
 
 A later turn's prompt is the chat-templated history ``user, assistant, ..., user``: more prompts from the same
 records, and the long contexts that one opening message never gives. Its id is ``"<record id>@t<k>"`` (``k``: the
-index of the user message, from 1), which :func:`~dspark_hf.training.data.conversation_key` maps back to the
+index of the user message, from 1), which :func:`~dspark_hf.sources.sharegpt.conversation_key` maps back to the
 conversation, so a turn always falls in its conversation's split.
 """
 
