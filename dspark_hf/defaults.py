@@ -104,13 +104,18 @@ def install_hint(extra: str) -> str:
     """The command that installs dspark-hf's ``extra``, as it works here: from a clone ``pip install -e '.[extra]'``
     (the clone's folder instead of ``.`` elsewhere); from an installed wheel, the extra's packages by name (dspark-hf
     is not on PyPI, so ``pip install 'dspark-hf[extra]'`` would not find it)."""
-    if (REPO_ROOT / "pyproject.toml").is_file():
+    if _in_checkout():
         root = "." if Path.cwd().resolve() == REPO_ROOT else str(REPO_ROOT)
         return f"pip install -e '{root}[{extra}]'"
     requirements = _extra_requirements(extra)
     if not requirements:
         return f"pip install -e '.[{extra}]' (from a clone of the dspark-hf repository)"
     return "pip install " + " ".join(f"'{r.name}{r.specifier}'" for r in requirements)
+
+
+def _in_checkout() -> bool:
+    """Whether this package runs from a source checkout (``pyproject.toml`` beside it), not from an installed wheel."""
+    return (REPO_ROOT / "pyproject.toml").is_file()
 
 
 def cache_root() -> Path:
@@ -127,8 +132,9 @@ def check_local_path(name_or_path: str | os.PathLike, what: str = "model") -> No
     ``from_pretrained`` treats any missing folder as a Hub id and, offline, retries for ~30 s before a
     "couldn't connect" message. A name is local-looking when it is a ``Path``, starts with ``.``, ``/`` or
     ``~``, has a backslash or more than one ``/``, or has one ``/`` after a part that is an existing folder
-    here or cannot be a Hub account (those are letters, digits and single dashes, e.g. ``drafters/x``).
-    Plain Hub ids (``org/name``, ``name``) pass through.
+    here, a folder of the source checkout (``drafters/x``, ``ablations/x`` from any directory; not in an installed
+    wheel, whose site-packages folders are no hint) or cannot be a Hub account (those are letters, digits and single
+    dashes, e.g. ``my_runs/x``). Other Hub ids (``org/name``, ``name``) pass through.
 
     Args:
         name_or_path: what the user passed to ``from_pretrained``.
@@ -144,7 +150,8 @@ def check_local_path(name_or_path: str | os.PathLike, what: str = "model") -> No
         return
     parts = text.replace("\\", "/").split("/")
     local = (isinstance(name_or_path, Path) or text.startswith((".", "/", "~")) or "\\" in text or len(parts) > 2
-             or (len(parts) == 2 and (Path(parts[0]).is_dir() or not _HUB_NAMESPACE.fullmatch(parts[0]))))
+             or (len(parts) == 2 and (Path(parts[0]).is_dir() or (_in_checkout() and (REPO_ROOT / parts[0]).is_dir())
+                                      or not _HUB_NAMESPACE.fullmatch(parts[0]))))
     if not local:
         return
     message = (f"No {what} folder at {text!r}: it looks like a local path, resolved against the current directory "

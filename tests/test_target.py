@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark_hf import DSparkConfig, DSparkDrafter
+from dspark_hf import DSparkConfig, DSparkDrafter, defaults
 from dspark_hf.decoding import targets as target_mod
 from dspark_hf.decoding.kernels import is_prepacked
 from dspark_hf.decoding.targets import chat_ids, check_local_path
@@ -201,6 +201,19 @@ def test_missing_checkout_folder_names_the_checkout(tmp_path, monkeypatch):
 def test_hub_ids_pass_through(name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     check_local_path(name)  # left to from_pretrained (Hub or cache)
+
+
+def test_a_folder_of_the_checkout_is_local_from_anywhere(tmp_path, monkeypatch):
+    """`drafters/<name>` is also a valid Hub id; from another directory a typo under the checkout's drafters/ still
+    fails at once (no ~30 s of offline Hub retries), while an installed wheel's site-packages folders are no hint."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="at 'drafters/typo': it looks like a local path"):
+        check_local_path("drafters/typo", "drafter")
+    site = tmp_path / "site-packages"
+    (site / "google").mkdir(parents=True)  # e.g. protobuf's namespace package beside an installed dspark_hf
+    monkeypatch.setattr(defaults, "REPO_ROOT", site)
+    check_local_path("google/gemma-2-2b")  # a Hub id, left to from_pretrained
+    check_local_path("drafters/typo")
 
 
 def test_a_typo_under_an_existing_folder_is_local(tmp_path, monkeypatch):
