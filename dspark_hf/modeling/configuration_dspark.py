@@ -7,9 +7,9 @@ import numbers
 
 from transformers import PreTrainedConfig
 
+from .heads import head_names
 from .limits import MAX_BLOCK_SIZE, VERIFICATION_MODES
 
-SEQUENTIAL_HEADS = ("none", "markov", "rnn")
 SCHEDULED_MODES = ("scheduler", "async")  # modes that read calibrated confidences and the SPS curve
 DSPARK_VERSIONS = (1, 2)  # 1: no QK-norm, learned mask embedding; 2: the reference DSpark architecture
 POSITIVE_INT_FIELDS = (  # DSparkConfig fields that are sizes or counts
@@ -56,7 +56,8 @@ class DSparkConfig(PreTrainedConfig):
         num_attention_heads, num_key_value_heads, head_dim, intermediate_size, rms_norm_eps,
         rope_theta, max_position_embeddings: llama-style layer shapes.
         block_size: γ, draft tokens per round (1..16). Input is the anchor + γ-1 mask embeddings.
-        sequential_head: ``"none"`` (parallel, DFlash-style), ``"markov"`` (eq. 5) or ``"rnn"`` (eq. 6).
+        sequential_head: ``"none"`` (parallel, DFlash-style), ``"markov"`` (eq. 5), ``"rnn"`` (eq. 6) or another
+            head registered with :func:`~dspark_hf.modeling.heads.register_head`.
         sequential_rank: rank ``r`` of ``W1`` / ``W2``.
         confidence_head: whether to predict c_k (eq. 7).
         draft_vocab_size: size of the drafter's output vocabulary (most frequent target tokens;
@@ -172,8 +173,8 @@ class DSparkConfig(PreTrainedConfig):
             raise ValueError(
                 "qk_norm and mask_token_id are v2 features: set dspark_version=2 (v1 drafters have neither)"
             )
-        if self.sequential_head not in SEQUENTIAL_HEADS:
-            raise ValueError(f"sequential_head must be one of {SEQUENTIAL_HEADS}, got {self.sequential_head!r}")
+        if self.sequential_head not in head_names():
+            raise ValueError(f"sequential_head must be one of {head_names()}, got {self.sequential_head!r}")
         if self.verification not in VERIFICATION_MODES:
             raise ValueError(f"verification must be one of {VERIFICATION_MODES}, got {self.verification!r}")
         if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
