@@ -23,7 +23,7 @@ from transformers.utils.hub import cached_file
 from .backbone import DSparkLayer, _llama_config
 from .configuration_dspark import DSparkConfig
 from .drafting import pad_contexts, sample_blocks
-from .heads import ConfidenceHead, SequentialHead, build_sequential_head
+from .heads import ConfidenceHead, build_sequential_head
 from .outputs import DraftBlock, DraftContext, DraftOutput
 from .target_checks import check_row_independent, lm_head_weight
 
@@ -114,12 +114,17 @@ class DSparkDrafter(PreTrainedModel):
         self.vocab_index = self._vocab_index()
 
     def _init_weights(self, module):
-        """transformers' defaults (normal linears/embeddings, unit norms, RoPE buffers), then zero ``W2``
-        so an untrained sequential head adds no bias, and (v1) a small random mask embedding."""
+        """transformers' defaults (normal linears/embeddings, unit norms, RoPE buffers), then the sequential head's
+        own init (:meth:`~dspark_hf.modeling.heads.SequentialHead.init_weights`: ``W2 = 0``, so an untrained head adds
+        no bias) and (v1) a small random mask embedding.
+
+        The head is initialised from the drafter's visit (the last, after its children's): transformers skips a
+        custom-code module without parameters of its own, such as a head whose weights sit in child linears, and
+        its guarded inits leave loaded weights alone."""
         super()._init_weights(module)
-        if isinstance(module, SequentialHead):
-            module.init_weights()
-        elif isinstance(module, DSparkDrafter):
+        if isinstance(module, DSparkDrafter):
+            if module.sequential is not None:
+                module.sequential.init_weights()
             if module.mask_embedding is not None:
                 init.normal_(module.mask_embedding, std=self.config.initializer_range)
             init.copy_(module.draft_vocab, torch.arange(module.draft_vocab.numel(), device=module.draft_vocab.device))  # non-persistent when V' = V: from_pretrained leaves it uninitialised
