@@ -13,7 +13,7 @@ import torch
 from dspark_hf import DSparkConfig, DSparkDrafter
 from dspark_hf.decoding import targets as target_mod
 from dspark_hf.decoding.kernels import is_prepacked
-from dspark_hf.decoding.targets import check_local_path
+from dspark_hf.defaults import check_local_path
 from dspark_hf.training.data import chat_ids
 
 
@@ -202,6 +202,15 @@ def test_missing_checkout_folder_names_the_checkout(tmp_path, monkeypatch):
 def test_hub_ids_pass_through(name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     check_local_path(name)  # left to from_pretrained (Hub or cache)
+
+
+@pytest.mark.parametrize("name", ["bad id!", "org/na me", "a--b"])
+def test_neither_a_folder_nor_a_hub_id_is_refused_at_once_everywhere(name, tmp_path, monkeypatch):
+    """One rule for "local path or Hub id" (defaults.check_local_path): Python loaders and the CLI share it."""
+    monkeypatch.chdir(tmp_path)
+    for load in (check_local_path, DSparkDrafter.from_pretrained):
+        with pytest.raises(ValueError, match="no such folder, and not a Hub id"):
+            load(name)
 
 
 def test_a_typo_under_an_existing_folder_is_local(tmp_path, monkeypatch):
