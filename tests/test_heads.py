@@ -132,3 +132,10 @@ def test_a_new_head_is_lossless_in_generate(target, prompt, bag):
     out = target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=drafter,
                           dspark_verification="fixed", dspark_block_size=4, dspark_lookup=False)
     assert torch.equal(out, plain)
+
+
+def test_a_head_the_serving_formats_lack_is_not_exported(target, bag, tmp_path):
+    from dspark_hf.hub.export import export_drafter
+
+    with pytest.raises(ValueError, match="'bag' sequential head has no counterpart in the serving formats"):
+        export_drafter(make_drafter(target, "bag"), tmp_path, format="deepspec")

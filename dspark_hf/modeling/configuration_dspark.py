@@ -18,6 +18,10 @@ POSITIVE_INT_FIELDS = (  # DSparkConfig fields that are sizes or counts
     "sequential_rank",
 )
 POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
+LAYER_FIELDS = (  # the decoder layers' shapes, named as in transformers' Llama/Qwen3 configs (+ rope_theta, see layer_config)
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "rms_norm_eps", "max_position_embeddings",
+)
 
 
 def is_int(value) -> bool:
@@ -234,6 +238,28 @@ class DSparkConfig(PreTrainedConfig):
             raise ValueError(f"confidence_threshold must be a probability in [0, 1], got {self.confidence_threshold!r}")
         if not isinstance(self.confidence_head, bool):
             raise ValueError(f"confidence_head must be True or False, got {self.confidence_head!r}")
+
+    def layer_config(self) -> dict:
+        """The drafter's decoder-layer shapes in transformers' config vocabulary (:data:`LAYER_FIELDS` and
+        ``rope_parameters``): what the backbone builds its ``LlamaConfig`` from and what the exported checkpoints'
+        layer configs hold. :meth:`layer_shapes` reads it back."""
+        return {**{name: getattr(self, name) for name in LAYER_FIELDS},
+                "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta}}
+
+    @staticmethod
+    def layer_shapes(layer: dict) -> dict:
+        """``DSparkConfig`` keyword arguments from a transformers decoder-layer config dict (the inverse of
+        :meth:`layer_config`; an exported or foreign checkpoint's): ``head_dim`` defaults to ``hidden_size /
+        num_attention_heads`` and ``rope_theta`` is read from ``rope_parameters``, else the legacy top-level field,
+        else 10000 (transformers' default).
+
+        Raises:
+            KeyError: a field of :data:`LAYER_FIELDS` other than ``head_dim`` is missing.
+        """
+        shapes = {name: layer[name] for name in LAYER_FIELDS if name != "head_dim"}
+        rope = layer.get("rope_parameters") or {}
+        return {**shapes, "head_dim": layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+                "rope_theta": rope.get("rope_theta", layer.get("rope_theta", 10000.0))}
 
     @property
     def context_width(self) -> int:
