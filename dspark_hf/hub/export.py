@@ -35,9 +35,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers.utils.hub import cached_file
 
-from ..decoding.calibration import CALIBRATION_FILE, SequentialTemperatureScaling
+from ..decoding.calibration import SequentialTemperatureScaling
 from ..modeling.configuration_dspark import DSparkConfig
-from ..modeling.modeling_dspark import DSparkDrafter
+from ..modeling.modeling_dspark import CALIBRATION_FILE, DSparkDrafter
 
 FORMATS = ("speculators", "deepspec")
 OUTSIDE_LOGIT = -1e4  # deepspec: Markov bias on tokens outside a reduced draft vocabulary

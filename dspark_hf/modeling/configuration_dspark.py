@@ -10,7 +10,6 @@ from transformers import PreTrainedConfig
 from .heads import head_names
 from .limits import MAX_BLOCK_SIZE, VERIFICATION_MODES
 
-SCHEDULED_MODES = ("scheduler", "async")  # modes that read calibrated confidences and the SPS curve
 DSPARK_VERSIONS = (1, 2)  # 1: no QK-norm, learned mask embedding; 2: the reference DSpark architecture
 POSITIVE_INT_FIELDS = (  # DSparkConfig fields that are sizes or counts
     "vocab_size", "hidden_size", "target_num_layers", "num_hidden_layers", "num_attention_heads",
