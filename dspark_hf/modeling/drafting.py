@@ -42,7 +42,7 @@ def sample_blocks(drafter, hidden: torch.Tensor, anchors: torch.Tensor, do_sampl
         ``R`` :class:`DraftBlock` (``tokens [γ]``, ``logits [γ, V]`` or ``None``, ``confidences [γ]`` or ``None``).
     """
     rows, gamma = hidden.shape[:2]
-    forced = forced_tokens.reshape(-1).to(hidden.device) if forced_tokens is not None else []
+    forced = forced_tokens.reshape(-1).to(hidden.device) if forced_tokens is not None else anchors[:0]  # [k] ids
     base = drafter.base_logits(hidden)  # [R, γ, V']
     head = drafter.sequential
     state = head.initial_state(hidden[:, 0]) if head is not None else None
@@ -59,7 +59,7 @@ def sample_blocks(drafter, hidden: torch.Tensor, anchors: torch.Tensor, do_sampl
         if head is not None:
             state, bias = head.step(state, emb, hidden[:, k])
             row = row + bias  # U_k + B_k, eq. 4
-        if k < len(forced):
+        if k < forced.numel():
             prev = forced[k].expand(rows)
             full = F.one_hot(prev, drafter.config.vocab_size).float().log() if full_vocab else None
         elif full_vocab:
