@@ -127,14 +127,16 @@ _HUB_NAMESPACE = re.compile(r"[A-Za-z0-9](?:-?[A-Za-z0-9])*")  # Hub account nam
 
 
 def check_local_path(name_or_path: str | os.PathLike, what: str = "model") -> None:
-    """Raise at once when ``name_or_path`` looks like a local folder that does not exist.
+    """The one rule for "local path or Hub id": pass an existing path or a Hub id, raise at once for anything else.
 
     ``from_pretrained`` treats any missing folder as a Hub id and, offline, retries for ~30 s before a
     "couldn't connect" message. A name is local-looking when it is a ``Path``, starts with ``.``, ``/`` or
     ``~``, has a backslash or more than one ``/``, or has one ``/`` after a part that is an existing folder
     here, a folder of the source checkout (``drafters/x``, ``ablations/x`` from any directory; not in an installed
     wheel, whose site-packages folders are no hint) or cannot be a Hub account (those are letters, digits and single
-    dashes, e.g. ``my_runs/x``). Other Hub ids (``org/name``, ``name``) pass through.
+    dashes, e.g. ``my_runs/x``). Other names must be valid Hub ids (``org/name``, ``name``: ``huggingface_hub``'s
+    ``validate_repo_id``) and pass through to ``from_pretrained`` (Hub or cache). Used by ``from_pretrained``,
+    ``load_target`` and the ``dspark`` commands alike.
 
     Args:
         name_or_path: what the user passed to ``from_pretrained``.
@@ -143,6 +145,7 @@ def check_local_path(name_or_path: str | os.PathLike, what: str = "model") -> No
     Raises:
         FileNotFoundError: naming the path, the directory it was resolved against, and the folder of
             the same name in this repository checkout when there is one.
+        ValueError: neither an existing path nor a Hub id (``huggingface_hub``'s ``HFValidationError``).
     """
     text = os.fspath(name_or_path)
     path = Path(text).expanduser()
@@ -153,6 +156,7 @@ def check_local_path(name_or_path: str | os.PathLike, what: str = "model") -> No
              or (len(parts) == 2 and (Path(parts[0]).is_dir() or (_in_checkout() and (REPO_ROOT / parts[0]).is_dir())
                                       or not _HUB_NAMESPACE.fullmatch(parts[0]))))
     if not local:
+        _check_hub_id(text)
         return
     message = (f"No {what} folder at {text!r}: it looks like a local path, resolved against the current directory "
                f"{os.getcwd()} to {path.absolute()}, which does not exist.")
@@ -162,6 +166,16 @@ def check_local_path(name_or_path: str | os.PathLike, what: str = "model") -> No
     else:
         message += " Pass an existing folder, or a Hub id such as 'org/name'."
     raise FileNotFoundError(message)
+
+
+def _check_hub_id(text: str) -> None:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(text)
+    except HFValidationError as err:
+        raise HFValidationError(f"no such folder, and not a Hub id (ORG/NAME): {err} Pass an existing folder or a "
+                                "Hub id.") from err
 
 
 def default_target_gguf() -> Path:

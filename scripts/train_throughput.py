@@ -20,8 +20,9 @@ import torch
 from dspark_hf.decoding.targets import load_target
 from dspark_hf.training.config import TrainConfig
 from dspark_hf.training.curve import positions_per_step
+from dspark_hf.training.losses import position_weights
 from dspark_hf.training.packing import FeatureBatcher, FeatureStore
-from dspark_hf.training.trainer import build_drafter, position_weights, train_step
+from dspark_hf.training.trainer import build_drafter, train_step
 
 
 def sync(device: torch.device):

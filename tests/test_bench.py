@@ -18,7 +18,7 @@ from dspark_hf.bench import loading, report
 from dspark_hf.bench import runner as bench
 from dspark_hf.bench import suites as suites_mod
 from dspark_hf.cli import bench as bench_cli
-from dspark_hf.decoding.stats import GenerationStats, RoundStats
+from dspark_hf.decoding.stats import GenerationStats, RoundStats, full_rounds
 from dspark_hf.evaluation.bench_result import BenchResult
 from dspark_hf.sources.categories import is_math_problem
 
@@ -87,9 +87,18 @@ def test_full_rounds_drop_partial_and_last_rounds():
         RoundStats(drafted=3, scheduled=3, accepted=3, confidences=[0.8, 0.8, 0.8]),
         RoundStats(drafted=3, scheduled=3, accepted=0, confidences=[0.1, 0.1, 0.1]),  # last: dropped
     ])
-    accepted, confs = bench.full_rounds([stats], 3)
-    assert accepted == [1, 3]
-    assert confs == [[0.9, 0.5, 0.1], [0.8, 0.8, 0.8]]
+    lookup = GenerationStats(rounds=[
+        RoundStats(drafted=3, scheduled=3, accepted=3, confidences=[0.7, 0.7, 0.7], lookup=1),  # lookup: not full
+        RoundStats(drafted=2, scheduled=2, accepted=2, confidences=[0.6, 0.6]),  # γ = 2: not this γ
+        RoundStats(drafted=3, scheduled=3, accepted=2, confidences=[0.5, 0.5, 0.5]),
+        RoundStats(drafted=3, scheduled=3, accepted=3, confidences=[0.4, 0.4, 0.4]),  # last: dropped
+    ])
+    accepted, confs = full_rounds([stats, lookup], 3)  # pooled, in order: (accepted, confidences)
+    assert accepted == [1, 3, 2]
+    assert confs == [[0.9, 0.5, 0.1], [0.8, 0.8, 0.8], [0.5, 0.5, 0.5]]
+    no_head = GenerationStats(rounds=[RoundStats(drafted=3, scheduled=3, accepted=a) for a in (1, 2, 0)])
+    assert full_rounds([no_head], 3) == ([1, 2], [])  # a drafter without a confidence head
+    assert full_rounds([no_head], 2) == ([], [])
 
 
 def test_small_helpers(tmp_path):

@@ -9,12 +9,10 @@ import torch
 from dspark_hf.decoding.calibration import (
     OnlineCorrection,
     SequentialTemperatureScaling,
-    brier_score,
-    expected_calibration_error,
     reliability_diagram,
-    roc_auc,
     scale_temperature,
 )
+from dspark_hf.metrics import brier_score, expected_calibration_error, roc_auc
 
 PROBS = torch.tensor([0.1, 0.4, 0.35, 0.8])
 LABELS = torch.tensor([0, 0, 1, 1])

@@ -120,3 +120,26 @@ def test_issue_cases_raise_naming_the_field(field, value):
 
 def test_none_layer_ids_means_the_default_spread():
     assert DSparkConfig(target_layer_ids=None, mask_token_id=16).target_layer_ids == [1, 10, 18, 27]
+
+
+def test_the_layer_shapes_have_one_home():
+    """``DSparkConfig.layer_config`` is the one list of layer shapes: the backbone's Llama pieces and the exported
+    Qwen3 layer config are built from it, and ``layer_shapes`` reads it back (hand values, not the same call)."""
+    from dspark_hf.hub.export import _layer_config
+    from dspark_hf.modeling.backbone import _llama_config
+
+    config = DSparkConfig(vocab_size=40, hidden_size=16, target_num_layers=4, num_hidden_layers=3, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=6, intermediate_size=24, rms_norm_eps=1e-6, rope_theta=5e5,
+                          max_position_embeddings=64, mask_token_id=0)
+    shapes = dict(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=6, rms_norm_eps=1e-6, max_position_embeddings=64)
+    rope = {"rope_type": "default", "rope_theta": 5e5}
+    assert config.layer_config() == {**shapes, "rope_parameters": rope}
+    llama = _llama_config(config)
+    assert {name: getattr(llama, name) for name in shapes} == shapes and llama.rope_parameters == rope
+    assert _layer_config(config) == {"model_type": "qwen3", **shapes, "rope_parameters": rope, "hidden_act": "silu",
+                                     "attention_bias": False, "layer_types": ["full_attention"] * 3,
+                                     "tie_word_embeddings": False}
+    assert DSparkConfig.layer_shapes(config.layer_config()) == {**shapes, "rope_theta": 5e5}
+    legacy = {**shapes, "head_dim": None, "rope_theta": 1e4}  # older layer configs: no head_dim, top-level rope_theta
+    assert DSparkConfig.layer_shapes(legacy) == {**shapes, "head_dim": 4, "rope_theta": 1e4}

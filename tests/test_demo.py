@@ -171,7 +171,7 @@ def test_ghost_text_is_decoded_in_context_with_a_byte_level_tokenizer():
     """A character split over several byte-level draft tokens shows whole, as the final text would."""
     from transformers import AutoTokenizer
 
-    from dspark_hf.decoding.targets import default_target_dir
+    from dspark_hf.defaults import default_target_dir
 
     if not (default_target_dir() / "tokenizer.json").is_file():
         pytest.skip("the default target is not converted yet (dspark_hf.load_default_target() does it)")

@@ -338,7 +338,8 @@ V1 = "tests/fixtures/v1/dspark-tiny"  # a tiny v1 checkpoint, made by the code b
 @pytest.fixture(scope="module")
 def real_target():
     """Stock fp32 kernels: the references multiply by the lm_head with torch's own matmul."""
-    from dspark_hf.decoding.targets import default_target_dir, load_default_target
+    from dspark_hf.decoding.targets import load_default_target
+    from dspark_hf.defaults import default_target_dir
 
     model, tokenizer = load_default_target(prepack=False)
     return model, tokenizer, str(default_target_dir())

@@ -39,7 +39,7 @@ from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling,
 from dspark_hf.decoding.calibration import OnlineCorrection
 from dspark_hf.decoding.lookup import LookupDrafting, RoundPlan, find_continuation
 from dspark_hf.decoding.scheduler import schedule_global, schedule_prefix, threshold_prefix
-from dspark_hf.modeling.configuration_dspark import MAX_BLOCK_SIZE
+from dspark_hf.modeling.limits import MAX_BLOCK_SIZE
 
 HEADS = ("none", "markov", "rnn")
 MODES = ("fixed", "threshold", "scheduler", "async")

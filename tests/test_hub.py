@@ -30,7 +30,7 @@ from transformers import LlamaForCausalLM
 import dspark_hf
 from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling
 from dspark_hf.cli.main import main as cli_main
-from dspark_hf.decoding.targets import DEFAULT_TARGET_NAME
+from dspark_hf.defaults import DEFAULT_TARGET_NAME
 from dspark_hf.hub import card as hub
 from dspark_hf.hub import push as hub_push
 from dspark_hf.hub import sections as hub_sections

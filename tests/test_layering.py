@@ -97,8 +97,8 @@ def test_modules_stay_small(path):
 
 def test_verification_policies_cover_the_config_modes():
     from dspark_hf.decoding.verification import POLICIES
-    from dspark_hf.modeling.configuration_dspark import SCHEDULED_MODES, VERIFICATION_MODES
+    from dspark_hf.modeling.limits import VERIFICATION_MODES
 
     assert tuple(POLICIES) == VERIFICATION_MODES
-    assert {m for m, p in POLICIES.items() if p.needs_calibration} == set(SCHEDULED_MODES)
+    assert {m for m, p in POLICIES.items() if p.needs_calibration} == {"scheduler", "async"}  # the one table of needs
     assert [m for m, p in POLICIES.items() if not p.needs_confidence] == ["fixed"]

@@ -266,3 +266,26 @@ def test_draft_continues_from_forced_lookup_tokens(head):
     assert torch.equal(sampled.logits[:2].softmax(-1), torch.eye(drafter.config.vocab_size)[[5, 9]])
     with pytest.raises(ValueError, match="leave a position"):
         drafter.draft(context, anchor=1, block_size=2, forced_tokens=forced)
+
+
+def test_what_lookup_needs_is_one_rule_read_by_generate_the_cli_and_the_bench():
+    """``lookup_missing`` decides for ``lookup_enabled``, ``dspark generate --lookup`` and the bench's hybrid method."""
+    from dspark_hf.bench.methods import lookup_mode_of
+    from dspark_hf.cli.generate import check_settings
+    from dspark_hf.decoding.lookup import lookup_missing
+
+    target = cycle_target(1, 0.026)
+    calibrated = cycle_drafter(target, "markov")
+    calibrated.calibration = SequentialTemperatureScaling(temperatures=[1.0] * 3)
+    cases = [(cycle_drafter(target, "markov", confidence_head=False), 3, "confidence head"),
+             (cycle_drafter(target, "markov"), 3, "calibrated confidences for γ = 3"),
+             (calibrated, 4, "calibrated confidences for γ = 4"), (calibrated, 3, None)]
+    for drafter, gamma, missing in cases:
+        found = lookup_missing(drafter, gamma)
+        assert (found is None) if missing is None else (missing in found)
+        assert (lookup_mode_of(drafter, gamma) is None) == (missing is not None)
+        if missing is None:
+            check_settings(drafter, "fixed", gamma, lookup=True)  # passes
+        else:
+            with pytest.raises(SystemExit, match="--lookup"):
+                check_settings(drafter, "fixed", gamma, lookup=True)

@@ -14,6 +14,7 @@ from test_calibration import synthetic_rounds
 
 from dspark_hf import SequentialTemperatureScaling
 from dspark_hf.bench import runner as bench
+from dspark_hf.decoding.stats import full_rounds
 from dspark_hf.metrics import brier_score, expected_calibration_error, prefix_survival_metrics, roc_auc
 
 METRICS = Path(__file__).resolve().parent.parent / "evaluate_metrics"
@@ -86,7 +87,7 @@ def recorded():
         target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, max_new_tokens=48,
                         do_sample=False, dspark_verification="fixed")
         stats.append(drafter.last_stats)
-    accepted, confidences = bench.full_rounds(stats, GAMMA)
+    accepted, confidences = full_rounds(stats, GAMMA)
     assert len(accepted) >= 20 and len(set(accepted)) >= 3  # a mix of short and long acceptances
     return stats, accepted, confidences
 

@@ -15,8 +15,8 @@ from transformers import AutoConfig, AutoModel
 
 import dspark_hf  # noqa: F401  (registers "dspark" with the Auto classes)
 from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling
-from dspark_hf.decoding.calibration import CALIBRATION_FILE
 from dspark_hf.modeling.heads import MarkovHead, RNNHead
+from dspark_hf.modeling.modeling_dspark import CALIBRATION_FILE
 
 HEADS = ("none", "markov", "rnn")
 GAMMAS = (1, 7, 16)

@@ -9,10 +9,8 @@ from conftest import CYCLE_VOCAB, LLAMA_DEFAULT_TOKENS, cycle_drafter, cycle_tar
 from transformers import DynamicCache
 
 from dspark_hf import SequentialTemperatureScaling
-from dspark_hf.decoding import profiling
+from dspark_hf.decoding import profiling, sps
 from dspark_hf.decoding.profiling import (
-    NoisySPSWarning,
-    SPSCurve,
     load_or_profile_sps,
     plot_sps,
     profile_sps,
@@ -20,12 +18,13 @@ from dspark_hf.decoding.profiling import (
     sps_cache_path,
     time_verify_step,
 )
+from dspark_hf.decoding.sps import NoisySPSWarning, SPSCurve
 
 KW = dict(max_tokens=4, context_len=8, contexts=(), min_repeats=2, max_repeats=2, progress=False)
 
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),  # real timings of a tiny model may be flagged noisy: not tested there
-              pytest.mark.filterwarnings("ignore::dspark_hf.decoding.profiling.NoisySPSWarning")]
+              pytest.mark.filterwarnings("ignore::dspark_hf.decoding.sps.NoisySPSWarning")]
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +143,7 @@ def test_noisy_timings_are_flagged_warned_and_cached(target, monkeypatch, hf_hom
     with pytest.warns(NoisySPSWarning, match="noisy"):
         curve = profile_sps(target, **{**KW, "min_repeats": 3, "max_repeats": 6})
     assert len(calls) == 4 * (1 + 6)  # never tight enough: ran to max_repeats
-    assert curve.noisy and curve.spread > profiling.NOISY_SPREAD
+    assert curve.noisy and curve.spread > sps.NOISY_SPREAD
     stored = SPSCurve.from_json(sps_cache_path(target, 8).read_text())
     assert stored.noisy
     with pytest.warns(NoisySPSWarning, match="cached in"):
@@ -230,14 +229,14 @@ def test_observe_moves_the_curve_toward_the_measured_times():
 def test_one_spike_moves_the_estimate_by_its_weight_only():
     curve = wrong_curve(ms=60.0)
     curve.observe(1, 256, 0.6)  # one 10x outlier
-    assert 1e3 / curve.steps_per_s[0] == pytest.approx(60.0 * 10 ** profiling.ONLINE_WEIGHT)
+    assert 1e3 / curve.steps_per_s[0] == pytest.approx(60.0 * 10 ** sps.ONLINE_WEIGHT)
 
 
 def test_observations_at_long_context_go_to_their_own_row():
     curve = wrong_curve(ms=50.0, rows={2048: [1e3 / 100.0] * 5})
     curve.observe(5, 7000, 0.2)  # no row within a factor √2: a new row 8192, seeded from the 2048 row (clamped)
     assert list(curve.rows) == [256, 2048, 8192]
-    assert 1e3 / curve.rows[8192][4] == pytest.approx(100.0 * 2 ** profiling.ONLINE_WEIGHT)
+    assert 1e3 / curve.rows[8192][4] == pytest.approx(100.0 * 2 ** sps.ONLINE_WEIGHT)
     assert curve.steps_per_s == [20.0] * 5 and curve.rows[2048] == [10.0] * 5  # other rows untouched
     curve.observe(1, 1500, 0.1)  # within a factor √2 of 2048
     assert 1e3 / curve.rows[2048][0] == pytest.approx(100.0)  # 100 ms observed at 100 ms: unchanged
@@ -274,7 +273,7 @@ def test_generate_refines_a_wrong_curve_from_injected_verify_times(monkeypatch, 
     for b in range(1, 6):  # from 5000 ms toward the 40 ms every verification took
         n_b = sum(r.scheduled + 1 == b for r in rounds)
         error = math.log(1e3 / curve.steps_per_s[b - 1] / 40.0)
-        assert 0 <= error <= (1 - profiling.ONLINE_WEIGHT) ** n_b * start_error  # each own observation: × 0.9
+        assert 0 <= error <= (1 - sps.ONLINE_WEIGHT) ** n_b * start_error  # each own observation: × 0.9
         assert error < start_error  # unobserved sizes too: pulled by their neighbours
     assert curve.counts == {32: [sum(r.scheduled + 1 == b for r in rounds) for b in range(1, 6)]}
 
@@ -362,6 +361,6 @@ def test_default_profile_has_a_row_per_context_users_hit():
     """256, 1k, 2k and 4k tokens of context, one row each (issue #23); the scheduler interpolates between them."""
     target = tiny_llama(64, 32, 1, max_position_embeddings=4200, **LLAMA_DEFAULT_TOKENS)
     curve = profile_sps(target, max_tokens=2, min_repeats=2, max_repeats=2, cache=False, progress=False)
-    assert list(curve.rows) == [256, 1024, 2048, 4096] == list(profiling.DEFAULT_CONTEXTS)
+    assert list(curve.rows) == [256, 1024, 2048, 4096] == list(sps.DEFAULT_CONTEXTS)
     ms = {c: 1e3 / row[0] for c, row in curve.rows.items()}
     assert 1e3 / curve.at(1536)[0] == pytest.approx((ms[1024] + ms[2048]) / 2)  # linear in ms between rows

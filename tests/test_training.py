@@ -30,20 +30,12 @@ from dspark_hf.decoding.targets import chat_ids, load_default_target
 from dspark_hf.modeling.configuration_dspark import spread_layer_ids
 from dspark_hf.sources.prompt_queue import reply_ids
 from dspark_hf.training import trainer as training
+from dspark_hf.training.config import TrainConfig
 from dspark_hf.training.curve import inherited_curve, run_curve
 from dspark_hf.training.data import export_tokens, load_shards, prepare_data
+from dspark_hf.training.losses import dspark_loss, expected_tau, greedy_survival, position_weights, tv_distance
 from dspark_hf.training.packing import FeatureBatcher, FeatureStore
-from dspark_hf.training.trainer import (
-    TrainConfig,
-    dspark_loss,
-    expected_tau,
-    greedy_survival,
-    init_layers_from_target,
-    position_weights,
-    reserved_mask_token,
-    train,
-    tv_distance,
-)
+from dspark_hf.training.trainer import init_layers_from_target, reserved_mask_token, train
 
 
 def test_position_weights_follow_the_references():

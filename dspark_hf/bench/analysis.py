@@ -59,23 +59,6 @@ def best_threshold(sweep: Sequence[dict]) -> float | None:
     return max(scored, key=lambda r: (r["modelled_tokens_per_s"], -r["threshold"]))["threshold"] if scored else None
 
 
-def full_rounds(stats_list, gamma: int) -> tuple[list[int], list[list[float]]]:
-    """Rounds that verified all γ drafts, pooled over generations: ``(accepted, confidences)``.
-
-    The last round of every generation is dropped (EOS or the token budget may cut its acceptance short),
-    as :meth:`dspark_hf.GenerationStats.full_rounds` does; ``confidences`` is empty for drafters without a
-    confidence head.
-    """
-    accepted, confidences = [], []
-    for stats in stats_list:
-        for r in stats.rounds[:-1]:
-            if r.is_full(gamma):
-                accepted.append(r.accepted)
-                if r.confidences:
-                    confidences.append(list(r.confidences))
-    return accepted, confidences
-
-
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     """Index of the first differing token of two sequences (a length difference counts), ``None`` if equal."""
     for i, (x, y) in enumerate(zip(a, b)):

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..decoding.verification import runnable_modes, unmet_need
-from ..modeling.configuration_dspark import SCHEDULED_MODES
+from ..decoding.lookup import lookup_missing
+from ..decoding.verification import POLICIES, runnable_modes
 from .settings import BenchSettings
 
 
@@ -114,9 +114,9 @@ def modes_of(drafter) -> list[str]:
 def lookup_mode_of(drafter, gamma: int) -> str | None:
     """Verification mode of a drafter's hybrid method (``dspark_lookup=True``, :mod:`dspark_hf.decoding.lookup`): its
     config's mode when that is a scheduled one, else ``"async"``; ``None`` without calibrated confidences for γ."""
-    if unmet_need(drafter, "async", gamma) is not None:  # needs what the scheduled modes need
+    if lookup_missing(drafter, gamma) is not None:
         return None
-    return drafter.config.verification if drafter.config.verification in SCHEDULED_MODES else "async"
+    return drafter.config.verification if POLICIES[drafter.config.verification].needs_calibration else "async"
 
 
 def plan_methods(drafters: dict, adapters: dict, settings: BenchSettings) -> list[Method]:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
+from ..decoding.stats import full_rounds
 from ..evaluation.bench_result import BenchResult, as_bench_result
 from ..evaluation.tables import markdown_table
-from .analysis import full_rounds
 
 
 def _fmt(value, digits=2) -> str:

@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
+from ..decoding.stats import full_rounds
 from ..evaluation.bench_result import (
     SCHEMA_VERSION,
     BenchResult,
@@ -67,7 +68,6 @@ from .analysis import (
     confidence_summary,
     first_divergence,
     floor_summary,
-    full_rounds,
     median,
     prompt_floor,
     threshold_sweep,

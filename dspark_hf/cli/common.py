@@ -49,20 +49,14 @@ def _prompt(text: str) -> str:
 
 
 def check_location(value, option: str, what: str) -> None:
-    """Exit with a message naming ``option`` when ``value`` is a local-looking path that does not exist
-    (:func:`~dspark_hf.defaults.check_local_path`, relative paths included) or neither a folder nor a Hub id."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    if value is None or Path(value).expanduser().exists():
+    """Exit with a message naming ``option`` when ``value`` is neither an existing path nor a Hub id
+    (:func:`~dspark_hf.defaults.check_local_path`, the rule ``from_pretrained`` applies too)."""
+    if value is None:
         return
     try:
         check_local_path(value, what)
-    except FileNotFoundError as err:
+    except (FileNotFoundError, ValueError) as err:
         sys.exit(f"{option} {value}: {err}")
-    try:
-        validate_repo_id(str(value))
-    except HFValidationError:
-        sys.exit(f"{option} {value}: no such folder, and not a Hub id (ORG/NAME). Pass an existing folder or a Hub id.")
 
 
 @contextmanager

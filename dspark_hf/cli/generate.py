@@ -67,6 +67,7 @@ def run(args):
 def check_settings(drafter, verify: str | None, gamma: int | None, lookup: bool | None) -> None:
     """Exit, in terms of ``--verify`` / ``--gamma`` / ``--lookup``, when the drafter cannot run them (a mode without
     its confidence head or calibration, a γ beyond the calibration, lookup without calibrated confidences)."""
+    from ..decoding.lookup import lookup_missing
     from ..decoding.verification import unmet_need
 
     mode, gamma = verify or drafter.config.verification, gamma or drafter.config.block_size
@@ -82,7 +83,7 @@ def check_settings(drafter, verify: str | None, gamma: int | None, lookup: bool 
         sys.exit(f"dspark generate: --gamma {gamma} is beyond this drafter's calibration (γ <= {covered}), which "
                  f"{chosen} needs at every draft position: pass --gamma {covered} or less, or --verify fixed "
                  f"(or threshold) for any γ up to {MAX_BLOCK_SIZE}.")
-    if lookup and (drafter.confidence is None or covered < gamma):
+    if lookup and lookup_missing(drafter, gamma) is not None:
         limit = f"--gamma {covered} or less, or " if drafter.confidence is not None and covered else ""
         sys.exit(f"dspark generate: --lookup compares drafts by calibrated confidence, which this drafter lacks at "
                  f"γ = {gamma}: pass {limit}--no-lookup.")

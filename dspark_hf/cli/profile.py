@@ -19,7 +19,8 @@ def default_max_tokens() -> int:
 
 
 def run(args):
-    from ..decoding.profiling import DEFAULT_CONTEXTS, load_or_profile_sps, plot_sps, profile_sps, sps_cache_path
+    from ..decoding.profiling import load_or_profile_sps, plot_sps, profile_sps, sps_cache_path
+    from ..decoding.sps import DEFAULT_CONTEXTS
 
     target, _ = load_cli_target(args)
     contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else DEFAULT_CONTEXTS

@@ -35,9 +35,7 @@ from ..metrics import (  # the maths lives in .metrics
     _check_probs,
     _check_rounds,
     _ece_columns,
-    brier_score,
     conditional_mask,
-    expected_calibration_error,
     prefix_survival_metrics,
     roc_auc,
     survival_labels,
@@ -45,17 +43,11 @@ from ..metrics import (  # the maths lives in .metrics
 from ..modeling.modeling_dspark import CALIBRATION_FILE
 
 __all__ = [
-    "CALIBRATION_FILE",
     "DEFAULT_GRID",
     "OnlineCorrection",
     "SequentialTemperatureScaling",
-    "brier_score",
-    "conditional_mask",
-    "expected_calibration_error",
     "reliability_diagram",
-    "roc_auc",
     "scale_temperature",
-    "survival_labels",
 ]
 
 FORMAT_VERSION = 1

@@ -53,12 +53,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..modeling.configuration_dspark import SCHEDULED_MODES
 from .calibration import OnlineCorrection
 from .scheduler import expected_throughputs
+from .verification import POLICIES
 
 __all__ = ["LookupAcceptance", "LookupDrafting", "LookupMatch", "RoundPlan", "find_continuation",
-           "lookup_enabled", "one_hot_logits", "plan_round"]
+           "lookup_enabled", "lookup_missing", "one_hot_logits", "plan_round"]
 
 MAX_NGRAM = 8  # longest suffix compared, and the last match-length bucket of the acceptance estimate
 REFRESH_ROUNDS = 4  # a "target" round probes (drafts) once the last drafted block is this many rounds old
@@ -240,6 +240,18 @@ def one_hot_logits(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return F.one_hot(tokens, vocab_size).float().log()
 
 
+def lookup_missing(drafter, block_size: int) -> str | None:
+    """What ``drafter`` lacks for prompt lookup at γ = ``block_size``, in words (``None``: nothing): the proposal
+    choice compares Θ of lookup and DSpark drafts by the calibrated confidences of the last drafted block, so it needs
+    the confidence head and a calibration covering γ. The one rule, read by :func:`lookup_enabled`, ``dspark generate
+    --lookup`` and the bench's hybrid method."""
+    if drafter.confidence is None:
+        return "the drafter's confidence head to compare proposals by Θ"
+    if drafter.calibration is None or len(drafter.calibration.temperatures) < block_size:
+        return f"calibrated confidences for γ = {block_size} positions"
+    return None
+
+
 def lookup_enabled(setting, drafter, block_size: int, mode: str) -> bool:
     """Resolve the ``dspark_lookup`` generate setting for a drafter, γ and verification mode.
 
@@ -258,15 +270,9 @@ def lookup_enabled(setting, drafter, block_size: int, mode: str) -> bool:
     """
     if setting is not None and not isinstance(setting, bool):
         raise ValueError(f"dspark_lookup must be None (automatic), True or False, got {setting!r}")
-    calibration = drafter.calibration
-    if drafter.confidence is None:
-        missing = "the drafter's confidence head to compare proposals by Θ"
-    elif calibration is None or len(calibration.temperatures) < block_size:
-        missing = f"calibrated confidences for γ = {block_size} positions"
-    else:
-        missing = None
+    missing = lookup_missing(drafter, block_size)
     if setting is None:
-        return mode in SCHEDULED_MODES and missing is None
+        return mode in POLICIES and POLICIES[mode].needs_calibration and missing is None  # unknown: refused later
     if setting and missing:
         raise ValueError(f"dspark_lookup=True needs {missing}; run `dspark calibrate`, or pass dspark_lookup=False.")
     return setting

@@ -55,9 +55,6 @@ from .machine import Machine, describe_machine
 from .targets import kernels_label
 
 __all__ = [
-    "DEFAULT_CONTEXTS",
-    "NoisySPSWarning",
-    "SPSCurve",
     "device_name",
     "grow_cache",
     "load_or_profile_sps",
@@ -68,17 +65,7 @@ __all__ = [
     "time_verify_step",
 ]
 
-from .sps import (  # noqa: F401 (the curve and its constants, re-exported)
-    DEFAULT_CONTEXTS,
-    ENGINE_TABLES,
-    FORMAT_VERSION,
-    NEIGHBOUR_DECAY,
-    NOISY_SPREAD,
-    ONLINE_WEIGHT,
-    REL_TOL,
-    NoisySPSWarning,
-    SPSCurve,
-)
+from .sps import DEFAULT_CONTEXTS, NOISY_SPREAD, REL_TOL, NoisySPSWarning, SPSCurve
 
 
 def device_name(device: torch.device, machine: Machine | None = None) -> str:

@@ -16,7 +16,8 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.utils import GenerationMode
 
-from ..modeling.configuration_dspark import MAX_BLOCK_SIZE, is_int
+from ..modeling.configuration_dspark import is_int
+from ..modeling.limits import MAX_BLOCK_SIZE
 
 DSPARK_GENERATE_KWARGS = ("dspark_block_size", "dspark_verification", "dspark_threshold", "dspark_lookup")
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from ..metrics import tau
 
 
@@ -71,18 +69,6 @@ class GenerationStats:
     def tau(self) -> float:
         """Mean accepted length per round τ, INCLUDING the bonus token (:func:`dspark_hf.metrics.tau`; 0 without rounds)."""
         return tau([r.accepted for r in self.rounds]) or 0.0
-
-    def full_rounds(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rounds that verified their whole block (γ = the call's block size), for calibration.
-
-        The last round is dropped (EOS or the token budget may have cut its acceptance short).
-        Returns ``(confidences [N, γ], accepted [N])``.
-        """
-        gamma = max((r.drafted for r in self.rounds), default=0)
-        keep = [r for r in self.rounds[:-1] if r.is_full(gamma) and r.confidences]
-        if not keep:
-            return torch.zeros(0, gamma), torch.zeros(0, dtype=torch.long)
-        return torch.tensor([r.confidences for r in keep]), torch.tensor([r.accepted for r in keep])
 
     def token_sources(self) -> dict[str, int]:
         """Where every generated token came from; the counts sum to :attr:`new_tokens`.
@@ -159,3 +145,15 @@ class BatchStats:
         """Mean verification budget per request and step, ``1 + ℓ̄`` (paper Fig. 8)."""
         lengths = [n for step in self.steps if not step.prefill for n in step.lengths]
         return 1.0 + sum(lengths) / len(lengths) if lengths else 0.0
+
+
+def full_rounds(stats_list: list[GenerationStats], gamma: int) -> tuple[list[int], list[list[float]]]:
+    """The rounds that verified all ``gamma`` drafts (:meth:`RoundStats.is_full`), pooled over generations, for
+    τ, acceptance and calibration (paper §3.2.1): ``(accepted, confidences)``.
+
+    The last round of every generation is dropped (EOS or the token budget may have cut its acceptance short).
+    ``accepted[i]`` counts round ``i``'s accepted drafts (bonus excluded); ``confidences[i]`` is its γ confidences,
+    or ``confidences`` is empty for a drafter without a confidence head.
+    """
+    kept = [r for stats in stats_list for r in stats.rounds[:-1] if r.is_full(gamma)]
+    return [r.accepted for r in kept], [list(r.confidences) for r in kept if r.confidences]

@@ -13,10 +13,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-from ..defaults import (  # noqa: F401 (re-exported)
+from ..defaults import (
     DEFAULT_CPU_THREADS,
     DEFAULT_TARGET_NAME,
-    cache_root,
     check_local_path,
     default_target_dir,
     default_target_gguf,

@@ -26,7 +26,7 @@ import torch
 # `_assisted_decoding`; `accept_drafts` applies it to one row of a batch. Exit condition: a public name for it.
 from transformers.generation.utils import _speculative_sampling
 
-from ..modeling.configuration_dspark import VERIFICATION_MODES
+from ..modeling.limits import VERIFICATION_MODES
 from .scheduler import schedule_global, schedule_prefix, threshold_prefix
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from ..decoding.candidate_generator import GenerationStats
+from ..decoding.stats import GenerationStats, full_rounds
 
 
 @dataclass
@@ -99,8 +99,8 @@ def collect_rounds(target, drafter, prompts: list[list[int]], max_new_tokens: in
     for prompt in tqdm(prompts, desc="speculative rounds", disable=not progress):
         run = timed_generate(target, prompt, max_new_tokens, temperature, drafter,
                              dspark_verification="fixed", dspark_block_size=gamma, dspark_lookup=False)
-        c, a = run.stats.full_rounds()
-        confs.append(c)
-        accepted.append(a)
+        a, c = full_rounds([run.stats], gamma)
+        confs.append(torch.tensor(c, dtype=torch.float32).reshape(-1, gamma))  # [N, γ]
+        accepted.append(torch.tensor(a[:len(c)], dtype=torch.long))  # [N]; none without a confidence head
         runs.append(run)
     return torch.cat(confs), torch.cat(accepted), runs

@@ -35,15 +35,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers.utils.hub import cached_file
 
-from ..decoding.calibration import CALIBRATION_FILE, SequentialTemperatureScaling
+from ..decoding.calibration import SequentialTemperatureScaling
 from ..modeling.configuration_dspark import DSparkConfig
-from ..modeling.modeling_dspark import DSparkDrafter
+from ..modeling.modeling_dspark import CALIBRATION_FILE, DSparkDrafter
 
 FORMATS = ("speculators", "deepspec")
 OUTSIDE_LOGIT = -1e4  # deepspec: Markov bias on tokens outside a reduced draft vocabulary
 VOCAB_RANK_KEY = "dspark_hf_vocab_rank"
 SPECULATORS_VERSION = "0.9.0"
 WEIGHTS_FILE = "model.safetensors"
+MARKOV_HEAD_TYPES = {"none": "vanilla", "markov": "vanilla", "rnn": "rnn"}  # ours -> the formats' (none: W2 = 0)
 
 
 # ------------------------------------------------------------------------------------------ export
@@ -63,7 +64,8 @@ def export_drafter(drafter: DSparkDrafter | str | Path, out: str | Path, format:
         ``out`` as a :class:`~pathlib.Path`.
 
     Raises:
-        ValueError: unknown ``format``; a v1 drafter (the message says to retrain as v2); a reduced
+        ValueError: unknown ``format``; a v1 drafter (the message says to retrain as v2); a sequential head the
+            formats lack (registered heads beyond markov and rnn); a reduced
             vocabulary for speculators on an unbound drafter; no verifier name for speculators.
     """
     if format not in FORMATS:
@@ -74,6 +76,9 @@ def export_drafter(drafter: DSparkDrafter | str | Path, out: str | Path, format:
     if config.dspark_version < 2:
         raise ValueError("This is a v1 drafter (learned mask vector, no QK-norm): no serving engine runs that "
                          "architecture. Retrain it as v2 with `dspark train` (new drafters are v2), then export.")
+    if config.sequential_head not in MARKOV_HEAD_TYPES:
+        raise ValueError(f"The {config.sequential_head!r} sequential head has no counterpart in the serving formats "
+                         f"(their heads: {', '.join(MARKOV_HEAD_TYPES)}).")
     heads = _heads(drafter)
     if format == "speculators":
         tensors, cfg = _to_speculators(drafter, heads, verifier_name_or_path or config.target_name_or_path)
@@ -119,20 +124,12 @@ def _body(drafter: DSparkDrafter) -> dict:
 
 
 def _layer_config(config: DSparkConfig) -> dict:
-    """The drafter's decoder layers as a Qwen3 config (QK-norm, no attention bias, SwiGLU)."""
+    """The drafter's decoder layers as a Qwen3 config (QK-norm, no attention bias, SwiGLU): its shapes
+    (:meth:`~dspark_hf.modeling.configuration_dspark.DSparkConfig.layer_config`) and the Qwen3 constants."""
     return {
-        "model_type": "qwen3", "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim, "hidden_act": "silu", "rms_norm_eps": config.rms_norm_eps,
-        "max_position_embeddings": config.max_position_embeddings, "attention_bias": False,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "model_type": "qwen3", **config.layer_config(), "hidden_act": "silu", "attention_bias": False,
         "layer_types": ["full_attention"] * config.num_hidden_layers, "tie_word_embeddings": False,
     }
-
-
-def _markov_type(config: DSparkConfig) -> str:
-    return "rnn" if config.sequential_head == "rnn" else "vanilla"
 
 
 def _to_speculators(drafter: DSparkDrafter, heads: dict, verifier: str):
@@ -178,7 +175,7 @@ def _to_speculators(drafter: DSparkDrafter, heads: dict, verifier: str):
         "sliding_window_non_causal": False,
         "sample_from_anchor": True,  # slot k of [anchor, mask, ...] predicts token a+k+1, as ours
         "markov_rank": config.sequential_rank if heads else 0,
-        "markov_head_type": _markov_type(config),
+        "markov_head_type": MARKOV_HEAD_TYPES[config.sequential_head],
         "enable_confidence_head": config.confidence_head,
         "confidence_head_with_markov": config.confidence_head,
     }
@@ -220,7 +217,7 @@ def _to_deepspec(drafter: DSparkDrafter, heads: dict):
         "projector_type": "dspark",
         "block_size": config.block_size,
         "markov_rank": rank,
-        "markov_head_type": _markov_type(config),
+        "markov_head_type": MARKOV_HEAD_TYPES[config.sequential_head],
         "enable_confidence_head": config.confidence_head,
         "confidence_head_with_markov": config.confidence_head,
         "attention_mode": "gqa" if config.num_key_value_heads < config.num_attention_heads else "mha",
@@ -291,18 +288,6 @@ def import_drafter(path: str | Path, **hub_kwargs) -> DSparkDrafter:
     return _build(cfg.get("dspark_hf") or {}, spec, tensors, calibration)
 
 
-def _shapes(layer: dict) -> dict:
-    rope = layer.get("rope_parameters") or {}
-    return dict(
-        vocab_size=layer["vocab_size"], hidden_size=layer["hidden_size"], num_hidden_layers=layer["num_hidden_layers"],
-        num_attention_heads=layer["num_attention_heads"], num_key_value_heads=layer["num_key_value_heads"],
-        head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
-        intermediate_size=layer["intermediate_size"], rms_norm_eps=layer["rms_norm_eps"],
-        rope_theta=rope.get("rope_theta", layer.get("rope_theta", 10000.0)),
-        max_position_embeddings=layer["max_position_embeddings"],
-    )
-
-
 def _check_heads(markov_type: str, with_markov: bool, confidence: bool, mask_token_id):
     if markov_type == "gated":
         raise ValueError("The gated Markov head has no dspark-hf equivalent (heads: none, markov, rnn).")
@@ -323,7 +308,7 @@ def _from_speculators(cfg: dict, tensors: dict) -> dict:
                          "layer outputs only.")
     _check_heads(cfg.get("markov_head_type", "vanilla"), cfg.get("confidence_head_with_markov", True),
                  cfg.get("enable_confidence_head", True), cfg.get("mask_token_id"))
-    shapes = _shapes(cfg["transformer_layer_config"])
+    shapes = DSparkConfig.layer_shapes(cfg["transformer_layer_config"])
     V, V_draft = shapes["vocab_size"], cfg["draft_vocab_size"]
     ids = (tensors["d2t"] + torch.arange(V_draft)) if V_draft != V else torch.arange(V)
     return dict(shapes=shapes, layer_ids=layer_ids, block_size=cfg["block_size"], mask_token_id=cfg["mask_token_id"],
@@ -337,7 +322,7 @@ def _from_deepspec(cfg: dict, tensors: dict) -> dict:
     dflash = cfg["dflash_config"]
     markov_type, confidence = dflash.get("markov_head_type", "vanilla"), dflash.get("enable_confidence_head", False)
     _check_heads(markov_type, dflash.get("confidence_head_with_markov", False), confidence, dflash.get("mask_token_id"))
-    shapes = _shapes(cfg)
+    shapes = DSparkConfig.layer_shapes(cfg)
     rank, V = int(dflash.get("markov_rank", 0) or 0), shapes["vocab_size"]
     ids, w2 = torch.arange(V), tensors.get("markov_head.markov_w2.weight")
     extra = dflash.get(VOCAB_RANK_KEY)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..modeling.configuration_dspark import SCHEDULED_MODES
+from ..decoding.verification import POLICIES
 from ..modeling.modeling_dspark import CALIBRATION_FILE
 from .card import _check_modeling_code, _check_repo_id, _weight_files, card_repo_id
 from .sections import _UPLOAD_IGNORE
@@ -31,7 +31,7 @@ def check_card_folder(model_dir: str | Path, repo_id: str) -> None:
     config = json.loads((model_dir / "config.json").read_text())
     _check_modeling_code(model_dir, config)
     mode = config.get("verification", "scheduler")
-    if mode in SCHEDULED_MODES and not (model_dir / CALIBRATION_FILE).is_file():
+    if POLICIES[mode].needs_calibration and not (model_dir / CALIBRATION_FILE).is_file():
         raise FileNotFoundError(f"{model_dir} has no {CALIBRATION_FILE} and its default verification {mode!r} "
                                 f"which needs it: run `dspark calibrate --drafter {model_dir}` first.")
     written_for = card_repo_id(model_dir)

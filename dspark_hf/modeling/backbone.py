@@ -16,16 +16,8 @@ from .configuration_dspark import DSparkConfig
 
 
 def _llama_config(config: DSparkConfig) -> LlamaConfig:
-    return LlamaConfig(
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        rms_norm_eps=config.rms_norm_eps,
-        max_position_embeddings=config.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
-    )
+    """The Llama pieces' config (SwiGLU MLP, RoPE): :meth:`DSparkConfig.layer_config`."""
+    return LlamaConfig(**config.layer_config())
 
 
 class DSparkAttention(nn.Module):

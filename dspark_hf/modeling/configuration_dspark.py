@@ -7,10 +7,9 @@ import numbers
 
 from transformers import PreTrainedConfig
 
+from .heads import head_names
 from .limits import MAX_BLOCK_SIZE, VERIFICATION_MODES
 
-SEQUENTIAL_HEADS = ("none", "markov", "rnn")
-SCHEDULED_MODES = ("scheduler", "async")  # modes that read calibrated confidences and the SPS curve
 DSPARK_VERSIONS = (1, 2)  # 1: no QK-norm, learned mask embedding; 2: the reference DSpark architecture
 POSITIVE_INT_FIELDS = (  # DSparkConfig fields that are sizes or counts
     "vocab_size", "hidden_size", "target_num_layers", "num_hidden_layers", "num_attention_heads",
@@ -18,6 +17,10 @@ POSITIVE_INT_FIELDS = (  # DSparkConfig fields that are sizes or counts
     "sequential_rank",
 )
 POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
+LAYER_FIELDS = (  # the decoder layers' shapes, named as in transformers' Llama/Qwen3 configs (+ rope_theta, see layer_config)
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "rms_norm_eps", "max_position_embeddings",
+)
 
 
 def is_int(value) -> bool:
@@ -56,7 +59,8 @@ class DSparkConfig(PreTrainedConfig):
         num_attention_heads, num_key_value_heads, head_dim, intermediate_size, rms_norm_eps,
         rope_theta, max_position_embeddings: llama-style layer shapes.
         block_size: γ, draft tokens per round (1..16). Input is the anchor + γ-1 mask embeddings.
-        sequential_head: ``"none"`` (parallel, DFlash-style), ``"markov"`` (eq. 5) or ``"rnn"`` (eq. 6).
+        sequential_head: ``"none"`` (parallel, DFlash-style), ``"markov"`` (eq. 5), ``"rnn"`` (eq. 6) or another
+            head registered with :func:`~dspark_hf.modeling.heads.register_head`.
         sequential_rank: rank ``r`` of ``W1`` / ``W2``.
         confidence_head: whether to predict c_k (eq. 7).
         draft_vocab_size: size of the drafter's output vocabulary (most frequent target tokens;
@@ -172,8 +176,8 @@ class DSparkConfig(PreTrainedConfig):
             raise ValueError(
                 "qk_norm and mask_token_id are v2 features: set dspark_version=2 (v1 drafters have neither)"
             )
-        if self.sequential_head not in SEQUENTIAL_HEADS:
-            raise ValueError(f"sequential_head must be one of {SEQUENTIAL_HEADS}, got {self.sequential_head!r}")
+        if self.sequential_head not in head_names():
+            raise ValueError(f"sequential_head must be one of {head_names()}, got {self.sequential_head!r}")
         if self.verification not in VERIFICATION_MODES:
             raise ValueError(f"verification must be one of {VERIFICATION_MODES}, got {self.verification!r}")
         if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
@@ -233,6 +237,28 @@ class DSparkConfig(PreTrainedConfig):
             raise ValueError(f"confidence_threshold must be a probability in [0, 1], got {self.confidence_threshold!r}")
         if not isinstance(self.confidence_head, bool):
             raise ValueError(f"confidence_head must be True or False, got {self.confidence_head!r}")
+
+    def layer_config(self) -> dict:
+        """The drafter's decoder-layer shapes in transformers' config vocabulary (:data:`LAYER_FIELDS` and
+        ``rope_parameters``): what the backbone builds its ``LlamaConfig`` from and what the exported checkpoints'
+        layer configs hold. :meth:`layer_shapes` reads it back."""
+        return {**{name: getattr(self, name) for name in LAYER_FIELDS},
+                "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta}}
+
+    @staticmethod
+    def layer_shapes(layer: dict) -> dict:
+        """``DSparkConfig`` keyword arguments from a transformers decoder-layer config dict (the inverse of
+        :meth:`layer_config`; an exported or foreign checkpoint's): ``head_dim`` defaults to ``hidden_size /
+        num_attention_heads`` and ``rope_theta`` is read from ``rope_parameters``, else the legacy top-level field,
+        else 10000 (transformers' default).
+
+        Raises:
+            KeyError: a field of :data:`LAYER_FIELDS` other than ``head_dim`` is missing.
+        """
+        shapes = {name: layer[name] for name in LAYER_FIELDS if name != "head_dim"}
+        rope = layer.get("rope_parameters") or {}
+        return {**shapes, "head_dim": layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+                "rope_theta": rope.get("rope_theta", layer.get("rope_theta", 10000.0))}
 
     @property
     def context_width(self) -> int:

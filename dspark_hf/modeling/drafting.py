@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .heads import MarkovHead, RNNHead
 from .outputs import DraftBlock, DraftContext
 
 
@@ -43,45 +42,56 @@ def sample_blocks(drafter, hidden: torch.Tensor, anchors: torch.Tensor, do_sampl
         ``R`` :class:`DraftBlock` (``tokens [γ]``, ``logits [γ, V]`` or ``None``, ``confidences [γ]`` or ``None``).
     """
     rows, gamma = hidden.shape[:2]
-    forced = forced_tokens.reshape(-1).to(hidden.device) if forced_tokens is not None else None
-    n_forced = forced.numel() if forced is not None else 0
+    forced = forced_tokens.reshape(-1).to(hidden.device) if forced_tokens is not None else anchors[:0]  # [k] ids
     base = drafter.base_logits(hidden)  # [R, γ, V']
-    state = drafter.sequential.initial_state(hidden[:, 0]) if isinstance(drafter.sequential, RNNHead) else None
+    head = drafter.sequential
+    state = head.initial_state(hidden[:, 0]) if head is not None else None
     processors = logits_processor if logits_processor is not None and len(logits_processor) > 0 else None
+    ids = None  # each row's ids so far, read by its logits processor
     if processors is not None:
         processors = processors if type(processors) is list else [processors] * rows  # one per row
         ids = list(prefix_ids) if prefix_ids is not None else [a.view(1, 1) for a in anchors]
     full_vocab = do_sample or processors is not None
-    vocab = drafter.config.vocab_size
     prev, tokens, logits, confs = anchors, [], [], []
     for k in range(gamma):
         emb = drafter.token_embedding(prev) if drafter.token_table is not None else None  # [R, r]
         row = base[:, k]  # [R, V']
-        if isinstance(drafter.sequential, MarkovHead):
-            row = row + drafter.sequential(emb)
-        elif isinstance(drafter.sequential, RNNHead):
-            state, bias = drafter.sequential(state, emb, hidden[:, k])
-            row = row + bias
-        if k < n_forced:
+        if head is not None:
+            state, bias = head.step(state, emb, hidden[:, k])
+            row = row + bias  # U_k + B_k, eq. 4
+        if k < forced.numel():
             prev = forced[k].expand(rows)
-            if full_vocab:
-                logits.append(F.one_hot(prev, vocab).float().log())
-        elif full_vocab:  # float32 in every dtype: the q sampled from is softmax of the very row returned
-            full = row.new_full((rows, vocab), float("-inf"), dtype=torch.float32)  # [R, V]
-            full[:, drafter.draft_vocab] = row.float()
-            if processors is not None:
-                full = torch.cat([processors[r](ids[r], full[r:r + 1]) for r in range(rows)])
+            full = F.one_hot(prev, drafter.config.vocab_size).float().log() if full_vocab else None
+        elif full_vocab:
+            full = _full_vocab_logits(drafter, row, processors, ids)
             prev = torch.multinomial(full.softmax(-1), 1, generator=generator)[:, 0] if do_sample else full.argmax(-1)
-            logits.append(full)
         else:
-            prev = drafter.draft_vocab[row.argmax(-1)]
+            prev, full = drafter.draft_vocab[row.argmax(-1)], None
+        if full is not None:
+            logits.append(full)
         if drafter.confidence is not None:
             confs.append(torch.sigmoid(drafter.confidence(hidden[:, k], emb)))  # [R]
         tokens.append(prev)
         if processors is not None:
             ids = [torch.cat([ids[r], prev[r].view(1, 1)], dim=-1) for r in range(rows)]
+    return _blocks(tokens, logits, confs)
+
+
+def _full_vocab_logits(drafter, row: torch.Tensor, processors, ids) -> torch.Tensor:
+    """Draft-vocabulary logits ``row`` ``[R, V']`` -> float32 ``[R, V]`` (``-inf`` outside the draft vocabulary),
+    each row through its logits processor (given its ids so far) when ``processors`` is given. float32 in every
+    dtype: the q sampled from is the softmax of the very row returned."""
+    full = row.new_full((row.shape[0], drafter.config.vocab_size), float("-inf"), dtype=torch.float32)  # [R, V]
+    full[:, drafter.draft_vocab] = row.float()
+    if processors is not None:
+        full = torch.cat([processors[r](ids[r], full[r:r + 1]) for r in range(row.shape[0])])
+    return full
+
+
+def _blocks(tokens: list, logits: list, confs: list) -> list[DraftBlock]:
+    """Per-position lists (``γ`` of ``[R]``, ``[R, V]``, ``[R]``; the last two may be empty) -> ``R`` blocks."""
     tokens = torch.stack(tokens, dim=1)  # [R, γ]
     logits = torch.stack(logits, dim=1) if logits else None  # [R, γ, V]
     confs = torch.stack(confs, dim=1) if confs else None  # [R, γ]
     return [DraftBlock(tokens=tokens[r], logits=logits[r] if logits is not None else None,
-                       confidences=confs[r] if confs is not None else None) for r in range(rows)]
+                       confidences=confs[r] if confs is not None else None) for r in range(tokens.shape[0])]

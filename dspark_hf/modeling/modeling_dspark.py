@@ -23,7 +23,7 @@ from transformers.utils.hub import cached_file
 from .backbone import DSparkLayer, _llama_config
 from .configuration_dspark import DSparkConfig
 from .drafting import pad_contexts, sample_blocks
-from .heads import ConfidenceHead, MarkovHead, RNNHead
+from .heads import ConfidenceHead, build_sequential_head
 from .outputs import DraftBlock, DraftContext, DraftOutput
 from .target_checks import check_row_independent, lm_head_weight
 
@@ -92,9 +92,7 @@ class DSparkDrafter(PreTrainedModel):
         self.rotary_emb = LlamaRotaryEmbedding(_llama_config(config))
         table_rows = config.vocab_size if config.full_token_table else vocab + 1
         self.token_table = nn.Embedding(table_rows, r) if config.uses_token_table else None  # W1
-        self.sequential = {"none": lambda: None, "markov": lambda: MarkovHead(r, vocab), "rnn": lambda: RNNHead(d, r, vocab, bias=v2)}[
-            config.sequential_head
-        ]()
+        self.sequential = build_sequential_head(config)  # B_k of eq. 4, or None (parallel drafting)
         self.confidence = ConfidenceHead(d, r, bias=v2) if config.confidence_head else None
         self.register_buffer("draft_vocab", torch.arange(vocab), persistent=config.draft_vocab_size is not None)
         self.register_buffer("vocab_index", self._vocab_index(), persistent=False)
@@ -116,12 +114,17 @@ class DSparkDrafter(PreTrainedModel):
         self.vocab_index = self._vocab_index()
 
     def _init_weights(self, module):
-        """transformers' defaults (normal linears/embeddings, unit norms, RoPE buffers), then zero ``W2``
-        so an untrained sequential head adds no bias, and (v1) a small random mask embedding."""
+        """transformers' defaults (normal linears/embeddings, unit norms, RoPE buffers), then the sequential head's
+        own init (:meth:`~dspark_hf.modeling.heads.SequentialHead.init_weights`: ``W2 = 0``, so an untrained head adds
+        no bias) and (v1) a small random mask embedding.
+
+        The head is initialised from the drafter's visit (the last, after its children's): transformers skips a
+        custom-code module without parameters of its own, such as a head whose weights sit in child linears, and
+        its guarded inits leave loaded weights alone."""
         super()._init_weights(module)
-        if isinstance(module, (MarkovHead, RNNHead)):
-            init.zeros_(module.w2.weight)
-        elif isinstance(module, DSparkDrafter):
+        if isinstance(module, DSparkDrafter):
+            if module.sequential is not None:
+                module.sequential.init_weights()
             if module.mask_embedding is not None:
                 init.normal_(module.mask_embedding, std=self.config.initializer_range)
             init.copy_(module.draft_vocab, torch.arange(module.draft_vocab.numel(), device=module.draft_vocab.device))  # non-persistent when V' = V: from_pretrained leaves it uninitialised
@@ -315,14 +318,8 @@ class DSparkDrafter(PreTrainedModel):
         """
         logits = self.base_logits(hidden)
         prev = self.token_embedding(prev_tokens) if self.token_table is not None else None
-        if isinstance(self.sequential, MarkovHead):
-            logits = logits + self.sequential(prev)
-        elif isinstance(self.sequential, RNNHead):
-            state, biases = self.sequential.initial_state(hidden[..., 0, :]), []
-            for k in range(hidden.shape[-2]):
-                state, bias = self.sequential(state, prev[..., k, :], hidden[..., k, :])
-                biases.append(bias)
-            logits = logits + torch.stack(biases, dim=-2)
+        if self.sequential is not None:
+            logits = logits + self.sequential.block_bias(prev, hidden)
         conf = self.confidence(hidden, prev) if self.confidence is not None else None
         return DraftOutput(logits=logits, confidence_logits=conf, hidden=hidden)
 

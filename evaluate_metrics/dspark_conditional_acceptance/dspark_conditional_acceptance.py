@@ -15,7 +15,7 @@ verified all γ drafts (n = draft tokens accepted in the round). Paper Fig. 2.""
 _KWARGS_DESCRIPTION = """
 Args:
     accepted (`list` of `int`): draft tokens accepted per round, each in 0..gamma, from rounds that verified
-        all gamma drafts (e.g. `dspark_hf.bench.runner.full_rounds(stats_list, gamma)[0]`).
+        all gamma drafts (e.g. `dspark_hf.decoding.stats.full_rounds(stats_list, gamma)[0]`).
     gamma (`int`): drafts per round γ.
 Returns:
     conditional_acceptance (`list` of `float` or `None`): γ rates; `None` where no round reached position k.
