@@ -8,7 +8,9 @@ by :meth:`DSparkDrafter.bind`, never copied into the drafter's parameters or its
 from __future__ import annotations
 
 import json
+import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -56,6 +58,29 @@ class DrafterExtensions:
 EXTENSIONS = DrafterExtensions()
 
 
+@dataclass(frozen=True)
+class BoundTarget:
+    """The target a drafter is bound to (:meth:`DSparkDrafter.bind`) and what the drafter borrows from it (paper
+    §2.2): referenced, never copied into the drafter's parameters or its checkpoint (not an ``nn.Module``, so the
+    drafter's ``state_dict``, ``parameters()`` and ``.to()`` do not see the target).
+
+    Attributes:
+        model: the target model.
+        embed: its input embedding module (token ids ``[...]`` -> ``[..., d]``).
+        rows: ``[V', d]`` its lm_head rows of the draft vocabulary (all ``[V, d]`` rows when ``V' = V``).
+        packed: the packed CPU kernel of ``rows`` (``EXTENSIONS.pack_rows``), or ``None`` for a plain matmul.
+    """
+
+    model: nn.Module
+    embed: nn.Module
+    rows: torch.Tensor
+    packed: Any = None
+
+
+# per thread: drafter -> the statistics of its last generate() call in that thread (DSparkDrafter.last_stats)
+_LAST_STATS = threading.local()
+
+
 class DSparkDrafter(PreTrainedModel):
     """The DSpark drafter (paper §3): one parallel forward pass drafts a block of γ tokens.
 
@@ -73,13 +98,14 @@ class DSparkDrafter(PreTrainedModel):
     base_model_prefix = "dspark"
     main_input_name = "context_features"
     _no_split_modules = ["DSparkLayer"]
+    bound: BoundTarget | None = None  # set by bind()
+    sps_curve: Any = None  # the target's SPS curve (an SPSCurve) the scheduled modes read; set_sps_curve()
 
     def __init__(self, config: DSparkConfig):
         config.check_mask_token()  # v2: the mask slots' token (a config alone may leave it unset)
         _wire_package()  # the first drafter of a process routes generate (dspark_hf.wire), however it was imported
         super().__init__(config)
         self.calibration = None  # STS of the confidences, §3.2.1 (dspark_hf.decoding.calibration)
-        self.last_stats = None  # per-round statistics of the last generate() call
         d, r = config.hidden_size, config.sequential_rank
         vocab = config.draft_vocab_size or config.vocab_size
         v2 = config.dspark_version >= 2
@@ -161,19 +187,31 @@ class DSparkDrafter(PreTrainedModel):
         if self.calibration is not None:
             self.calibration.save(save_directory)
 
-    @property
-    def sps_curve(self):
-        """The target's SPS curve the scheduler uses: set by :meth:`set_sps_curve`, or profiled (and
-        cached on disk) by the first ``generate`` call in ``scheduler`` or ``async`` mode; ``None`` before that."""
-        return self.__dict__.get("_sps_curve")
-
     def set_sps_curve(self, curve):
-        """Use ``curve`` (an :class:`~dspark_hf.decoding.sps.SPSCurve`) instead of profiling."""
-        self.__dict__["_sps_curve"] = curve
+        """Use ``curve`` (an :class:`~dspark_hf.decoding.sps.SPSCurve`) as the target's SPS curve: what the scheduled
+        modes (``scheduler``, ``async``) and prompt lookup read. ``generate`` resolves a missing one before decoding
+        (:func:`~dspark_hf.decoding.profiling.resolve_sps_curve`)."""
+        self.sps_curve = curve
+
+    @property
+    def last_stats(self):
+        """The statistics of the last ``generate`` call with this drafter IN THE CALLING THREAD (a
+        :class:`~dspark_hf.decoding.stats.GenerationStats`, a ``BatchStats`` for a batch, ``None`` before any):
+        per thread (``threading.local``), so threads or server workers sharing one drafter each read their own
+        call's. A convenience: each call's own object is also ``output.dspark_stats`` with
+        ``return_dict_in_generate=True``. Set by the candidate generator when a call starts, filled per round."""
+        table = getattr(_LAST_STATS, "table", None)
+        return table.get(self) if table is not None else None
+
+    @last_stats.setter
+    def last_stats(self, stats):
+        if not hasattr(_LAST_STATS, "table"):
+            _LAST_STATS.table = weakref.WeakKeyDictionary()
+        _LAST_STATS.table[self] = stats
 
     @property
     def is_bound(self) -> bool:
-        return "_shared" in self.__dict__
+        return self.bound is not None
 
     def bind(self, target) -> "DSparkDrafter":
         """Attach ``target``'s frozen embedding and lm_head (referenced, not copied or saved).
@@ -191,7 +229,7 @@ class DSparkDrafter(PreTrainedModel):
             UserWarning: the target's name differs from ``config.target_name_or_path``.
         """
         self.vocab_index = self._vocab_index()  # derived buffer: not in the checkpoint
-        if self.__dict__.get("_bound_target") is target:
+        if self.bound is not None and self.bound.model is target:
             return self
         tc = target.config.get_text_config()
         head, embed = target.get_output_embeddings(), target.get_input_embeddings()
@@ -213,8 +251,7 @@ class DSparkDrafter(PreTrainedModel):
             self.to(device=weight.device, dtype=weight.dtype)
             rows = weight if self.draft_vocab.numel() == weight.shape[0] else weight[self.draft_vocab]
             packed = EXTENSIONS.pack_rows(head, rows, weight) if EXTENSIONS.pack_rows is not None else None  # CPU kernels
-        self.__dict__["_shared"] = (embed, rows.detach(), packed)
-        self.__dict__["_bound_target"] = target  # last: a failed bind leaves the drafter unbound
+        self.bound = BoundTarget(model=target, embed=embed, rows=rows.detach(), packed=packed)  # last: a failed bind leaves it unbound
         return self
 
     def _require_bound(self):
@@ -224,12 +261,12 @@ class DSparkDrafter(PreTrainedModel):
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """Target token ids ``[...]`` -> the target's (frozen) input embeddings ``[..., d]``."""
         self._require_bound()
-        return self.__dict__["_shared"][0](ids)
+        return self.bound.embed(ids)
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``U_k``: drafter states ``[..., d]`` -> draft-vocabulary logits ``[..., V']`` (frozen lm_head rows)."""
         self._require_bound()
-        _, rows, packed = self.__dict__["_shared"]
+        rows, packed = self.bound.rows, self.bound.packed
         return hidden @ rows.T if packed is None else packed.linear(hidden, rows)
 
     # --------------------------------------------------------------------------------- backbone
