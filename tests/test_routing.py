@@ -16,7 +16,7 @@ import dspark_hf
 from dspark_hf import SequentialTemperatureScaling
 from dspark_hf.decoding import candidate_generator, profiling, routing
 from dspark_hf.decoding.candidate_generator import DSparkCandidateGenerator
-from dspark_hf.modeling.modeling_dspark import BoundTarget
+from dspark_hf.modeling.state import BoundTarget
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,12 +8,9 @@ by :meth:`DSparkDrafter.bind`, never copied into the drafter's parameters or its
 from __future__ import annotations
 
 import json
-import threading
 import warnings
-import weakref
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,58 +24,13 @@ from .configuration_dspark import DSparkConfig
 from .drafting import pad_contexts, sample_blocks
 from .heads import ConfidenceHead, MarkovHead, RNNHead
 from .outputs import DraftBlock, DraftContext, DraftOutput
+from .state import BoundTarget, DrafterExtensions, set_thread_last_stats, thread_last_stats
 from .target_checks import check_row_independent, lm_head_weight
 
 CALIBRATION_FILE = "calibration.json"  # the STS temperatures next to the weights (dspark_hf.decoding.calibration)
 
 
-@dataclass
-class DrafterExtensions:
-    """What the installed ``dspark_hf`` plugs into the drafter (set by ``dspark_hf/__init__.py``).
-
-    This module and its siblings are exactly the remote code a drafter's Hub repo ships for
-    ``trust_remote_code``: torch and transformers only. The rest of the package (calibration, CPU kernels,
-    foreign checkpoint formats) lives in higher layers and attaches here; without them the drafter still
-    loads, runs its forward and drafts (no calibration, stock kernels).
-
-    Attributes:
-        check_path: ``(name_or_path, what)`` -> None; raises at once for a missing local folder.
-        load_calibration: ``(file)`` -> the calibration object of ``calibration.json`` (``.save(dir)``, ``.temperatures``).
-        pack_rows: ``(lm_head, rows, weight)`` -> a packed kernel for the shared lm_head rows (``.linear(x, rows)``) or None.
-        import_checkpoint: ``(name_or_path, config_dict, hub_kwargs)`` -> a drafter converted from another
-            checkpoint format, or None when ``config_dict`` is this package's format.
-    """
-
-    check_path: Callable[[Any, str], None] | None = None
-    load_calibration: Callable[[str], Any] | None = None
-    pack_rows: Callable[[nn.Module, torch.Tensor, torch.Tensor], Any] | None = None
-    import_checkpoint: Callable[[Any, dict, dict], Any] | None = None
-
-
-EXTENSIONS = DrafterExtensions()
-
-
-@dataclass(frozen=True)
-class BoundTarget:
-    """The target a drafter is bound to (:meth:`DSparkDrafter.bind`) and what the drafter borrows from it (paper
-    §2.2): referenced, never copied into the drafter's parameters or its checkpoint (not an ``nn.Module``, so the
-    drafter's ``state_dict``, ``parameters()`` and ``.to()`` do not see the target).
-
-    Attributes:
-        model: the target model.
-        embed: its input embedding module (token ids ``[...]`` -> ``[..., d]``).
-        rows: ``[V', d]`` its lm_head rows of the draft vocabulary (all ``[V, d]`` rows when ``V' = V``).
-        packed: the packed CPU kernel of ``rows`` (``EXTENSIONS.pack_rows``), or ``None`` for a plain matmul.
-    """
-
-    model: nn.Module
-    embed: nn.Module
-    rows: torch.Tensor
-    packed: Any = None
-
-
-# per thread: drafter -> the statistics of its last generate() call in that thread (DSparkDrafter.last_stats)
-_LAST_STATS = threading.local()
+EXTENSIONS = DrafterExtensions()  # filled by dspark_hf.wire
 
 
 class DSparkDrafter(PreTrainedModel):
@@ -190,7 +142,7 @@ class DSparkDrafter(PreTrainedModel):
     def set_sps_curve(self, curve):
         """Use ``curve`` (an :class:`~dspark_hf.decoding.sps.SPSCurve`) as the target's SPS curve: what the scheduled
         modes (``scheduler``, ``async``) and prompt lookup read. ``generate`` resolves a missing one before decoding
-        (:func:`~dspark_hf.decoding.profiling.resolve_sps_curve`)."""
+        (:func:`~dspark_hf.decoding.candidate_generator.prepare_call`)."""
         self.sps_curve = curve
 
     @property
@@ -200,14 +152,11 @@ class DSparkDrafter(PreTrainedModel):
         per thread (``threading.local``), so threads or server workers sharing one drafter each read their own
         call's. A convenience: each call's own object is also ``output.dspark_stats`` with
         ``return_dict_in_generate=True``. Set by the candidate generator when a call starts, filled per round."""
-        table = getattr(_LAST_STATS, "table", None)
-        return table.get(self) if table is not None else None
+        return thread_last_stats(self)
 
     @last_stats.setter
     def last_stats(self, stats):
-        if not hasattr(_LAST_STATS, "table"):
-            _LAST_STATS.table = weakref.WeakKeyDictionary()
-        _LAST_STATS.table[self] = stats
+        set_thread_last_stats(self, stats)
 
     @property
     def is_bound(self) -> bool:
