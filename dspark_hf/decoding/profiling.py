@@ -213,9 +213,8 @@ def profile_sps(
 ) -> SPSCurve:
     """Measure ``SPS(B)`` for ``B = 1..max_tokens`` at several context lengths (paper §3.2.2).
 
-    Always measures (use :func:`load_or_profile_sps` to reuse a stored curve). Random token ids from a
-    fixed seed, batch size 1; the global RNG is untouched. Runs the target in whatever train/eval mode
-    it is in (load targets with ``.eval()``). See the module docstring for the stopping rule.
+    Always measures (:func:`load_or_profile_sps` reuses a stored curve). Random ids from a fixed seed, batch 1, the
+    global RNG untouched, the target in its own train/eval mode (load it with ``.eval()``); stopping rule: module docstring.
 
     Args:
         target: causal LM (transformers 5.x) with ``config`` and ``get_input_embeddings``.
