@@ -110,7 +110,8 @@ class _MeetAfterFirstRound(BaseStreamer):
 
 def test_two_threads_sharing_a_drafter_each_see_their_own_stats(target, drafter):
     """Both calls run at once on one drafter: each thread's `last_stats` is its own call's, the object its output
-    carries, and counts its own tokens (a shared attribute would show the later call's in both threads)."""
+    carries, and counts its own tokens (a shared attribute would show the later call's in both threads); a thread
+    that ran none reads the latest call's."""
     barrier = threading.Barrier(2)
     prompts = {"a": torch.tensor([[5, 9, 3]]), "b": torch.tensor([[7, 1, 4, 8, 2]])}
     budgets = {"a": 9, "b": 17}
@@ -131,9 +132,13 @@ def test_two_threads_sharing_a_drafter_each_see_their_own_stats(target, drafter)
     for thread in threads:
         thread.join(timeout=300)
     assert not errors, errors
-    assert drafter.last_stats is None  # this thread generated nothing
     (out_a, stats_a), (out_b, stats_b) = seen["a"], seen["b"]
     assert stats_a is not stats_b and stats_a is out_a.dspark_stats and stats_b is out_b.dspark_stats
+    assert drafter.last_stats in (stats_a, stats_b)  # this thread ran none: the latest call's, from either thread
+    drafter.last_stats = stats_a
+    assert drafter.last_stats is stats_a
+    drafter.last_stats = None  # forgets this thread's: the latest call's again
+    assert drafter.last_stats in (stats_a, stats_b)
     for name, (out, stats) in seen.items():
         plain = target.generate(prompts[name], max_new_tokens=budgets[name], do_sample=False)
         assert torch.equal(out.sequences, plain)

@@ -3,7 +3,7 @@ collected in :class:`GenerationStats`. The bench, the calibration and the demo r
 
 Each call has its own statistics object: ``output.dspark_stats`` with ``return_dict_in_generate=True``, and
 ``drafter.last_stats`` in the calling thread (:func:`publish_stats`; per thread, so threads sharing a drafter
-do not overwrite each other's).
+do not overwrite each other's; a thread that ran no call reads the latest call's).
 """
 
 from __future__ import annotations

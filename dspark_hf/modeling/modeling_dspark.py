@@ -150,8 +150,9 @@ class DSparkDrafter(PreTrainedModel):
         """The statistics of the last ``generate`` call with this drafter IN THE CALLING THREAD (a
         :class:`~dspark_hf.decoding.stats.GenerationStats`, a ``BatchStats`` for a batch, ``None`` before any):
         per thread (``threading.local``), so threads or server workers sharing one drafter each read their own
-        call's. A convenience: each call's own object is also ``output.dspark_stats`` with
-        ``return_dict_in_generate=True``. Set by the candidate generator when a call starts, filled per round."""
+        call's; a thread that has run none (``generate`` in a worker, read after ``join``) reads the latest call's.
+        A convenience: each call's own object is also ``output.dspark_stats`` with ``return_dict_in_generate=True``.
+        Set when a call starts and filled per round; setting ``None`` forgets this thread's."""
         return thread_last_stats(self)
 
     @last_stats.setter

@@ -58,17 +58,27 @@ class BoundTarget:
     packed: Any = None
 
 
-_LAST_STATS = threading.local()  # .table per thread: drafter -> its last call's statistics (weak keys)
+_LAST_STATS = threading.local()  # .table per thread: drafter -> its last call's statistics in that thread (weak keys)
+_LATEST_STATS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # drafter -> its latest call's, any thread
 
 
 def thread_last_stats(drafter: nn.Module):
-    """The statistics of ``drafter``'s last ``generate`` call in the calling thread (``None`` before any)."""
+    """The statistics of ``drafter``'s last ``generate`` call in the calling thread; a thread that has run none
+    (e.g. one that started ``generate`` in a worker thread and joined it) reads the latest call's of any thread;
+    ``None`` before any call."""
     table = getattr(_LAST_STATS, "table", None)
-    return table.get(drafter) if table is not None else None
+    if table is not None and drafter in table:
+        return table[drafter]
+    return _LATEST_STATS.get(drafter)
 
 
 def set_thread_last_stats(drafter: nn.Module, stats) -> None:
-    """Record ``stats`` as ``drafter``'s last call's statistics in the calling thread only."""
+    """Record ``stats`` as ``drafter``'s last call's statistics in the calling thread (and as its latest call's);
+    ``None`` forgets the calling thread's, so that thread reads the latest call's of any thread again."""
     if not hasattr(_LAST_STATS, "table"):
         _LAST_STATS.table = weakref.WeakKeyDictionary()
+    if stats is None:
+        _LAST_STATS.table.pop(drafter, None)
+        return
     _LAST_STATS.table[drafter] = stats
+    _LATEST_STATS[drafter] = stats
