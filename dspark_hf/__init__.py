@@ -6,7 +6,8 @@ the package, once (:func:`wire`): it registers the ``dspark`` model type with th
 calibration, CPU kernels and checkpoint converters into the drafter (``modeling_dspark.EXTENSIONS``), and routes
 ``target.generate(..., assistant_model=DSparkDrafter)`` through DSpark drafting (``dspark_hf.decoding.routing``;
 ``dspark_hf.uninstall()`` undoes it). So does building the first ``DSparkDrafter`` of a process, however its class
-was imported, and the ``dspark`` command before running a command.
+was imported, and the ``dspark`` command before running a command. Those are the only points: importing a module of
+the package (``import dspark_hf.metrics``, ``dspark_hf.decoding.routing`` itself...) patches nothing.
 
 Layers (imports point one way; ``tests/test_layering.py`` checks it):
 ``modeling`` ← ``decoding`` ← ``sources`` ← {``training``, ``evaluation``} ← {``bench``, ``hub``, ``demo``}

@@ -242,18 +242,58 @@ def _load_recipe(card_dir: Path):
     return module
 
 
-def test_custom_generate_called_directly_uses_drafter_repo_and_hub_kwargs(saved, hub_cache, offline):
-    """Outside transformers' loader the recipe falls back to DRAFTER_REPO; Hub kwargs load it, not generate."""
+def test_custom_generate_reads_no_frames():
+    """The recipe is self-contained: it finds its drafter from its arguments, its folder and DRAFTER_REPO, never from
+    transformers' frames."""
+    source = hub_sections.GENERATE_TEMPLATE.read_text()
+    assert "_getframe" not in source and "f_locals" not in source and "inspect" not in source
+
+
+def _greedy_case(saved):
     target = LlamaForCausalLM.from_pretrained(saved / "target").eval()
     target.config._name_or_path = DEFAULT_TARGET_NAME  # the drafter's target (else bind warns)
     ids = torch.randint(1, V, (1, 6), generator=torch.Generator().manual_seed(3))
-    plain = target.generate(ids, max_new_tokens=12, do_sample=False)
+    return target, ids, target.generate(ids, max_new_tokens=12, do_sample=False)
+
+
+def test_custom_generate_in_a_drafter_folder_uses_that_folder(saved, hub_cache, offline):
+    """Imported from the drafter's own folder, the recipe uses the folder (before DRAFTER_REPO)."""
+    target, ids, plain = _greedy_case(saved)
     recipe = _load_recipe(saved / "card")
+    assert recipe.DRAFTER_REPO == REPO_ID
+    out = recipe.generate(target, ids, max_new_tokens=12, do_sample=False, dspark_verification="fixed",
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)
+    (key, drafter), = recipe._drafters.items()
+    assert key[0] == str(saved / "card")
+    assert out.dspark_stats is drafter.last_stats and out.dspark_stats.rounds  # the call's own statistics
+
+
+def test_custom_generate_elsewhere_uses_drafter_repo_and_hub_kwargs(saved, hub_cache, offline, tmp_path):
+    """Away from a drafter folder (as transformers runs it, from its modules cache) the recipe loads DRAFTER_REPO
+    with the call's Hub kwargs, which do not reach generate."""
+    target, ids, plain = _greedy_case(saved)
+    hub.write_custom_generate(tmp_path, repo_id=REPO_ID)
+    recipe = _load_recipe(tmp_path)
     out = recipe.generate(target, ids, max_new_tokens=12, do_sample=False, cache_dir=str(hub_cache),
                           dspark_verification="fixed")
     assert torch.equal(out, plain)
     (key, drafter), = recipe._drafters.items()
-    assert key[0] == REPO_ID and drafter.last_stats.rounds
+    assert key == (REPO_ID, (("cache_dir", str(hub_cache)),)) and drafter.last_stats.rounds
+
+
+def test_custom_generate_arguments_come_first(saved, tmp_path):
+    """``assistant_model=`` wins over ``dspark_drafter=``, which wins over the folder and DRAFTER_REPO."""
+    target, ids, plain = _greedy_case(saved)
+    hub.write_custom_generate(tmp_path, repo_id="org/not-downloaded")
+    recipe = _load_recipe(tmp_path)
+    given = DSparkDrafter.from_pretrained(saved / "card").eval()
+    out = recipe.generate(target, ids, max_new_tokens=12, do_sample=False, assistant_model=given,
+                          dspark_drafter="org/not-downloaded-either", dspark_verification="fixed")
+    assert torch.equal(out, plain) and given.last_stats.rounds and recipe._drafters == {}
+    out = recipe.generate(target, ids, max_new_tokens=12, do_sample=False, dspark_drafter=str(saved / "card"),
+                          dspark_verification="fixed")
+    assert torch.equal(out, plain) and [k[0] for k in recipe._drafters] == [str(saved / "card")]
 
 
 def test_custom_generate_without_a_location_asks_for_one(tmp_path):
@@ -295,7 +335,8 @@ FRESH = textwrap.dedent("""
 def test_fresh_process_without_dspark_import(saved, hub_cache, tmp_path):
     """trust_remote_code loads the drafter, and both assistant_model= and custom_generate (by folder and by Hub id)
     decode token-identically to plain generate, in a process whose code never imports dspark_hf itself (the
-    remote model.py imports the installed package, which routes the remote class)."""
+    remote model.py imports the installed package, which routes the remote class). transformers runs the recipe from
+    its modules cache, so both custom_generate calls load the card's DRAFTER_REPO."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache), "HF_MODULES_CACHE": str(tmp_path),
            "PYTHONPATH": str(Path(dspark_hf.__file__).resolve().parent.parent), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, "-c", FRESH, str(saved / "card"), str(saved / "target"), REPO_ID],
@@ -305,7 +346,7 @@ def test_fresh_process_without_dspark_import(saved, hub_cache, tmp_path):
     assert result["remote_class"] == "DSparkDrafter" and result["weights_equal"] and result["calibration"]
     assert result["routed_by_remote_load"] is True
     assert result["assistant_model"] and result["folder"] and result["repo_id"]
-    assert result["drafters"] == sorted([str(saved / "card"), REPO_ID])  # each call found its own repo
+    assert result["drafters"] == [REPO_ID, REPO_ID]  # one recipe copy per location, each loading DRAFTER_REPO
     assert all(r > 0 for r in result["rounds"])
 
 

@@ -86,4 +86,4 @@ def test_greedy_dspark_on_prepacked_target_matches_plain_generate():
     out = target.generate(prompt, **kwargs, assistant_model=drafter)
     assert torch.equal(out, reference)
     assert is_prepacked(drafter)  # the drafter follows its target's kernels
-    assert drafter.__dict__["_shared"][2] is getattr(target.lm_head, PACKED_ATTR)  # all rows: the head's packed copy
+    assert drafter.bound.packed is getattr(target.lm_head, PACKED_ATTR)  # all rows: the head's packed copy

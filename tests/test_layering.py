@@ -78,7 +78,8 @@ def test_modeling_is_torch_and_transformers_only():
                 assert root in allowed or root in STDLIB, f"{path.name} imports {root}"
 
 
-STDLIB = {"__future__", "json", "warnings", "dataclasses", "pathlib", "typing", "numbers", "math", "sys", "os"}
+STDLIB = {"__future__", "json", "warnings", "dataclasses", "pathlib", "typing", "numbers", "math", "sys", "os",
+          "threading", "weakref"}
 
 
 def test_gradio_is_never_imported_at_module_level():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..defaults import resolve_checkout_path
@@ -10,6 +11,19 @@ from ..defaults import resolve_checkout_path
 
 def _log_default(*args):
     print(*args, file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class DrafterSource:
+    """Where a benched drafter came from, as ``benchmarks.json`` records it (``drafters[name]``).
+
+    Attributes:
+        path: the folder it was loaded from (``None``: built in memory, e.g. by a test).
+        calibration: ``"calibration.json"``, or the note that the identity STS stands in for a missing one.
+    """
+
+    path: str | None = None
+    calibration: str = "calibration.json"
 
 
 def parse_drafters(spec: str) -> dict[str, str]:
@@ -29,13 +43,13 @@ def parse_drafters(spec: str) -> dict[str, str]:
     return out
 
 
-def load_drafters(spec: dict[str, str], target, gamma: int, log=_log_default) -> tuple[dict, list[str]]:
+def load_drafters(spec: dict[str, str], target, gamma: int, log=_log_default) -> tuple[dict, dict, list[str]]:
     """Load every drafter folder that exists (relative paths: CWD first, then the repo root), bind it.
 
     A drafter with a confidence head but no ``calibration.json`` gets identity STS (all T = 1), and a note.
 
     Returns:
-        ``({name: drafter}, notes)``.
+        ``({name: drafter}, {name: DrafterSource}, notes)``.
 
     Raises:
         ValueError: a calibration that covers fewer than γ positions.
@@ -43,7 +57,7 @@ def load_drafters(spec: dict[str, str], target, gamma: int, log=_log_default) ->
     from ..decoding.calibration import SequentialTemperatureScaling
     from ..modeling.modeling_dspark import DSparkDrafter
 
-    drafters, notes = {}, []
+    drafters, sources, notes = {}, {}, []
     for name, path in spec.items():
         folder = resolve_checkout_path(path)
         if not folder.is_dir():
@@ -54,11 +68,10 @@ def load_drafters(spec: dict[str, str], target, gamma: int, log=_log_default) ->
             notes.append(note)
             continue
         drafter = DSparkDrafter.from_pretrained(str(folder)).bind(target).eval()
-        drafter.bench_path = str(folder)
-        drafter.bench_calibration = "calibration.json"
+        sources[name] = DrafterSource(path=str(folder))
         if drafter.confidence is not None and drafter.calibration is None:
             drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * max(gamma, drafter.config.block_size))
-            drafter.bench_calibration = "identity (no calibration.json)"
+            sources[name] = DrafterSource(path=str(folder), calibration="identity (no calibration.json)")
             note = (f"drafter {name!r} has no calibration.json: STS is the identity (all T = 1), so 'after STS' "
                     "equals 'before' and the scheduler uses raw confidences.")
             log(f"note: {note}")
@@ -69,4 +82,4 @@ def load_drafters(spec: dict[str, str], target, gamma: int, log=_log_default) ->
         if drafter.config.block_size != gamma:
             notes.append(f"drafter {name!r} was trained with block_size {drafter.config.block_size}; benched at γ = {gamma}.")
         drafters[name] = drafter
-    return drafters, notes
+    return drafters, sources, notes

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from ..decoding.lookup import lookup_missing
 from ..decoding.verification import POLICIES, runnable_modes
+from ..evaluation.runs import Run
+from .loading import DrafterSource
 from .settings import BenchSettings
 
 
@@ -76,6 +78,25 @@ class BuiltinDFlashAdapter(torch.nn.Module):
 
 
 @dataclass
+class BuiltinRun(Run):
+    """A :class:`~dspark_hf.evaluation.runs.Run` of the built-in DFlash path, which records no round statistics.
+
+    Attributes:
+        builtin_rounds: the adapter's forward calls (drafted blocks) in the run; the prefill token is not a round.
+    """
+
+    builtin_rounds: int = 0
+
+
+def rounds_of(run: Run) -> int | None:
+    """Rounds of a speculative run (its statistics, or a :class:`BuiltinRun`'s drafted blocks); ``None`` for plain
+    decoding and prompt lookup."""
+    if run.stats is not None:
+        return len(run.stats.rounds)
+    return run.builtin_rounds if isinstance(run, BuiltinRun) else None
+
+
+@dataclass
 class Method:
     """One timed greedy decoding method of pass 2.
 
@@ -91,14 +112,15 @@ class Method:
     kwargs: dict = field(default_factory=dict)
     adapter: BuiltinDFlashAdapter | None = None
 
-    def run(self, target, ids, max_new_tokens, drafters, seed=0):
+    def run(self, target, ids, max_new_tokens, drafters, seed=0) -> Run:
+        """One timed greedy ``generate`` of ``ids`` (a :class:`BuiltinRun` for the built-in DFlash path)."""
         from ..evaluation.runs import timed_generate
 
         drafter = drafters[self.drafter] if self.drafter and self.adapter is None else None
         run = timed_generate(target, ids, max_new_tokens, 0.0, drafter, seed=seed, **self.kwargs)
-        if self.adapter is not None:  # τ estimate: the prefill token is not a round
-            run.builtin_rounds = self.adapter.rounds
-        return run
+        if self.adapter is None:
+            return run
+        return BuiltinRun(**{f.name: getattr(run, f.name) for f in fields(run)}, builtin_rounds=self.adapter.rounds)
 
 
 BENCH_MODE_ORDER = ("fixed", "threshold", "scheduler", "async")  # the order of the tables and of benchmarks.json
@@ -185,15 +207,16 @@ BUILTIN_NOTE = (
 )
 
 
-def describe_drafter(drafter) -> dict:
+def describe_drafter(drafter, source: DrafterSource) -> dict:
+    """The ``drafters[name]`` entry of ``benchmarks.json``: where the drafter came from and what it can run."""
     cfg = drafter.config
     return {
-        "path": getattr(drafter, "bench_path", None),
+        "path": source.path,
         "sequential_head": cfg.sequential_head,
         "confidence_head": drafter.confidence is not None,
         "block_size": cfg.block_size,
         "num_hidden_layers": cfg.num_hidden_layers,
         "draft_vocab_size": cfg.draft_vocab_size,
-        "calibration": getattr(drafter, "bench_calibration", "calibration.json"),
+        "calibration": source.calibration,
         "modes": modes_of(drafter),
     }

@@ -72,13 +72,14 @@ from .analysis import (
     prompt_floor,
     threshold_sweep,
 )
-from .loading import _log_default
+from .loading import DrafterSource, _log_default
 from .methods import (
     Method,
     builtin_adapters,
     describe_drafter,
     merge_threshold_methods,
     plan_methods,
+    rounds_of,
     threshold_methods,
 )
 from .settings import BenchSettings
@@ -147,16 +148,12 @@ def wall_clock_pass(target, drafters, methods: list[Method], suites, settings: B
     return out
 
 
-def _rounds_of_run(run) -> int | None:
-    return len(run.stats.rounds) if run.stats is not None else getattr(run, "builtin_rounds", None)
-
-
 def _tau_of_run(run) -> float | None:
     """τ of a speculative run; for the built-in DFlash path ``(new tokens - 1) / rounds`` (the prefill token is
     not a round; a final plain step when one token is left is counted in, so it can exceed the true τ slightly)."""
     if run.stats is not None:
         return run.stats.tau
-    rounds = getattr(run, "builtin_rounds", None)
+    rounds = rounds_of(run)
     return (len(run.tokens) - 1) / rounds if rounds else None
 
 
@@ -185,7 +182,7 @@ def summarize_wall_clock(records: dict, methods: list[Method], log=_log_default)
                     "tokens_per_s": run.tokens_per_s,
                     "speedup": run.tokens_per_s / plain.tokens_per_s,
                     "tau": _tau_of_run(run),
-                    "rounds": _rounds_of_run(run),
+                    "rounds": rounds_of(run),
                     "identical": where is None,
                 })
             plain_median = median([p["runs"]["plain"].tokens_per_s for p in prompts])
@@ -310,7 +307,8 @@ def confidence_tables(drafters: dict, greedy: dict, suites: list[str], sps, sett
 
 
 def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps=None, notes: list[str] | None = None,
-              builtin_dflash: bool = True, command: str = "", log: Callable = _log_default) -> tuple[dict, dict]:
+              builtin_dflash: bool = True, command: str = "", log: Callable = _log_default,
+              sources: dict[str, DrafterSource] | None = None) -> tuple[dict, dict]:
     """Run the whole bench on prompts given as token ids.
 
     Args:
@@ -323,14 +321,13 @@ def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps
         notes: notes gathered while loading, carried into the result.
         builtin_dflash: also time the built-in DFlash path for parallel drafters.
         command: the command line recorded in ``result.machine``.
+        sources: where each drafter came from (:func:`~dspark_hf.bench.loading.load_drafters`); default: unknown.
 
     Returns:
         ``(result, raw)``: the :class:`~dspark_hf.evaluation.bench_result.BenchResult` (non-finite floats ``None``,
         as ``benchmarks.json`` holds them) and the raw records the plots need.
     """
     from ..decoding.profiling import load_or_profile_sps
-    from ..decoding.targets import kernels_label
-    from ..sources import categories
 
     notes = list(notes or [])
     start = time.perf_counter()
@@ -338,7 +335,18 @@ def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps
     sps = sps or load_or_profile_sps(target, max_tokens=settings.gamma + 1)  # what the schedulers read
     for drafter in drafters.values():
         drafter.set_sps_curve(sps)
+    # Passes 1-3: τ rounds, wall clock, the threshold mode at its best t.
+    passes = _run_passes(target, drafters, suites, settings, sps, builtin_dflash, notes, log)
+    log(f"[bench] greedy mismatches against plain generate: {len(passes['mismatches'])}")
+    sources = sources or {}
+    records = {n: DrafterRecord(**describe_drafter(d, sources.get(n, DrafterSource()))) for n, d in drafters.items()}
+    result = _bench_result(target, suites, settings, sps, passes, command, notes, records, time.perf_counter() - start)
+    return result.strict(), {"stats": passes["stats"], "records": passes["records"]}
 
+
+def _run_passes(target, drafters: dict, suites: dict, settings: BenchSettings, sps, builtin_dflash: bool,
+                notes: list[str], log: Callable) -> dict:
+    """Passes 1-3 of :func:`run_bench` (notes appended to ``notes``); returns their tables by name."""
     # Pass 1: fixed-length rounds at T = 1.
     log(f"[bench] pass 1: T = {settings.sampling_temperature} fixed-length rounds (γ={settings.gamma}) of "
         f"{len(drafters)} drafters on {sum(map(len, suites.values()))} prompts")
@@ -369,9 +377,19 @@ def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps
         mismatches += more_mismatches
         costs.update(round_costs(extra, timed))
         notes.append("Threshold-mode speedups are measured against a plain run interleaved with them in pass 3.")
-    log(f"[bench] greedy mismatches against plain generate: {len(mismatches)}")
+    return {"stats": stats, "records": records, "taus": taus, "cond": cond, "ratios": ratios,
+            "confidence": confidence, "thresholds": thresholds, "methods": methods, "wall": wall,
+            "mismatches": mismatches, "costs": costs, "floor": floor, "builtin": builtin}
 
-    result = BenchResult(
+
+def _bench_result(target, suites: dict, settings: BenchSettings, sps, passes: dict, command: str, notes: list[str],
+                  drafters: dict[str, DrafterRecord], runtime_s: float) -> BenchResult:
+    """The typed :class:`BenchResult` of :func:`run_bench`'s passes (:func:`_run_passes`)."""
+    from ..decoding.targets import kernels_label
+    from ..sources import categories
+
+    mismatches, ratios = passes["mismatches"], passes["ratios"]
+    return BenchResult(
         schema_version=SCHEMA_VERSION,
         machine=MachineRecord.current(command, kernels_label(target)),
         settings=RunSettings(**{**asdict(settings), "thresholds": list(settings.thresholds)}, math_filter=MathFilter(
@@ -379,20 +397,20 @@ def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps
             max_chars=categories.MATH_MAX_CHARS)),
         suites={s: SuiteRecord(n_prompts=len(p), ids=[i for i, _ in p], prompt_tokens=[len(x) for _, x in p])
                 for s, p in suites.items()},
-        drafters={n: DrafterRecord(**describe_drafter(d)) for n, d in drafters.items()},
+        drafters=drafters,
         tau_ratio_dspark_over_dflash=ratios.get("greedy"),
         tau_ratios=ratios,
-        tau=taus,
-        conditional_acceptance=cond,
-        confidence={n: DrafterConfidence.from_json(entry) for n, entry in confidence.items()},
-        wall_clock=WallClock(methods=[m.name for m in methods], thresholds=dict(thresholds),
-                             suites={s: {m: MethodSummary.from_json(v) for m, v in per.items()} for s, per in wall.items()},
+        tau=passes["taus"],
+        conditional_acceptance=passes["cond"],
+        confidence={n: DrafterConfidence.from_json(entry) for n, entry in passes["confidence"].items()},
+        wall_clock=WallClock(methods=[m.name for m in passes["methods"]], thresholds=dict(passes["thresholds"]),
+                             suites={s: {m: MethodSummary.from_json(v) for m, v in per.items()}
+                                     for s, per in passes["wall"].items()},
                              mismatches_total=len(mismatches), mismatches=[Mismatch(**m) for m in mismatches]),
-        builtin_dflash=BuiltinDFlash(**builtin),
+        builtin_dflash=BuiltinDFlash(**passes["builtin"]),
         sps=SPSRecord.from_curve(sps),
-        round_cost={m: RoundCost(**c) for m, c in costs.items()},
-        floor_cost={m: {s: FloorCost(**c) for s, c in per.items()} for m, per in floor.items()},
+        round_cost={m: RoundCost(**c) for m, c in passes["costs"].items()},
+        floor_cost={m: {s: FloorCost(**c) for s, c in per.items()} for m, per in passes["floor"].items()},
         notes=notes,
-        runtime_s=time.perf_counter() - start,
+        runtime_s=runtime_s,
     )
-    return result.strict(), {"stats": stats, "records": records}

@@ -61,7 +61,7 @@ def run(args):
     if args.prompts and "custom" not in names:
         names.append("custom")
     target, tokenizer = load_cli_target(args)
-    drafters, loading_notes = load_drafters(spec, target, settings.gamma)
+    drafters, sources, loading_notes = load_drafters(spec, target, settings.gamma)
     notes += loading_notes
     if not drafters:
         sys.exit("No drafter found; pass --drafters name=PATH,... (see `dspark bench --help`).")
@@ -78,7 +78,7 @@ def run(args):
     if args.concurrency:
         return _run_concurrency(args, target, drafters, suites, settings)
     result, raw = run_bench(target, drafters, suites, settings, notes=notes, builtin_dflash=not args.no_builtin_dflash,
-                            command=shlex.join(["dspark", *sys.argv[1:]]))
+                            command=shlex.join(["dspark", *sys.argv[1:]]), sources=sources)
     result.runtime_s = time.perf_counter() - started  # loading included
     if args.out:
         path = write_report(result, raw, args.out, drafters)

@@ -13,7 +13,7 @@ import torch
 from ..modeling.modeling_dspark import DSparkDrafter
 from .concurrent import ConcurrentDecoder, Request
 from .settings import _reject_stateful_processors, call_block_size
-from .stats import BatchStats
+from .stats import BatchStats, publish_stats
 from .stopping import ROUND_EXACT_CRITERIA
 
 
@@ -82,8 +82,8 @@ def generate_batch(target, drafter: DSparkDrafter, input_ids: torch.Tensor, gene
     :mod:`dspark_hf.decoding.routing` in place of transformers' batch-1 assisted loop).
 
     All rows run in one :class:`ConcurrentDecoder`; each finishes on its own (EOS, ``max_new_tokens``, stop strings
-    and custom stopping criteria, checked after every token) and then costs nothing. ``drafter.last_stats`` is a
-    :class:`BatchStats` (``drafter.last_stats[i]``: row ``i``'s rounds).
+    and custom stopping criteria, checked after every token) and then costs nothing. ``drafter.last_stats`` (in the
+    calling thread) is the call's :class:`BatchStats` (``drafter.last_stats[i]``: row ``i``'s rounds).
 
     Args:
         input_ids: ``[R, L]`` left-padded prompts; model_kwargs: ``generate``'s (``attention_mask`` ``[R, L]``).
@@ -96,6 +96,32 @@ def generate_batch(target, drafter: DSparkDrafter, input_ids: torch.Tensor, gene
     Raises:
         ValueError: a streamer, ``return_dict_in_generate``, ``dspark_lookup=True``, a pre-filled cache or
             right-padded rows (not supported for batches), and as :class:`ConcurrentDecoder`.
+    """
+    _reject_batch_options(generation_config, logits_processor, model_kwargs, streamer)
+    rows = _left_padded_rows(input_ids, model_kwargs.get("attention_mask"))
+    width = input_ids.shape[1]
+    eos = generation_config._eos_token_tensor
+    decoder = ConcurrentDecoder(
+        target, drafter, block_size=call_block_size(generation_config, drafter.config.block_size), verification=getattr(generation_config, "dspark_verification", None),
+        threshold=getattr(generation_config, "dspark_threshold", None), do_sample=bool(generation_config.do_sample),
+        logits_processor=logits_processor, eos_token_ids=eos.reshape(-1).tolist() if eos is not None else (),
+        stop=_per_token_stop(stopping_criteria, input_ids.device), max_requests=len(rows))
+    publish_stats(drafter, decoder.stats)
+    for i, row in enumerate(rows):  # processors and stop checks see each row as batched plain generate shows it
+        decoder.add(row, generation_config.max_length - width, padding=input_ids[i, : width - len(row)].tolist(),
+                    batch_row=(i, len(rows)))
+    with decoder.running():
+        while decoder.active:
+            decoder.step()
+    return torch.cat([input_ids, _padded_new_tokens(decoder.requests, generation_config, input_ids)], dim=1)
+
+
+def _reject_batch_options(generation_config, logits_processor, model_kwargs: dict, streamer) -> None:
+    """Refuse, before any compute, what batched DSpark ``generate`` does not support (see :func:`generate_batch`).
+
+    Raises:
+        ValueError: a streamer, ``return_dict_in_generate``, ``dspark_lookup=True``, a pre-filled cache, or a
+            stateful logits processor.
     """
     if streamer is not None:
         raise ValueError("Streamers take one row; with a batch, use dspark_hf.generate_concurrent(..., on_tokens=...) "
@@ -110,32 +136,28 @@ def generate_batch(target, drafter: DSparkDrafter, input_ids: torch.Tensor, gene
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError("A pre-filled cache is not supported for batched DSpark generate; pass the whole sequences.")
     _reject_stateful_processors(logits_processor)
-    attention_mask = model_kwargs.get("attention_mask")
-    rows = _left_padded_rows(input_ids, attention_mask)
-    width = input_ids.shape[1]
+
+
+def _per_token_stop(stopping_criteria, device):
+    """The ``stop(request, ids)`` check of the criteria beyond max length / EOS / max time (stop strings, custom
+    criteria), which see each row as batched plain ``generate`` shows it (its left padding, then its ids);
+    ``None`` when there are none."""
     per_token = [c for c in stopping_criteria if not isinstance(c, ROUND_EXACT_CRITERIA)]
 
-    def stop(request: Request, ids: list[int]) -> bool:  # custom criteria see the row as plain generate shows it
-        row = torch.tensor([request.padding + ids], device=input_ids.device)
+    def stop(request: Request, ids: list[int]) -> bool:
+        row = torch.tensor([request.padding + ids], device=device)
         return any(bool(c(row, None).any()) for c in per_token)
 
-    eos = generation_config._eos_token_tensor
-    decoder = ConcurrentDecoder(
-        target, drafter, block_size=call_block_size(generation_config, drafter.config.block_size), verification=getattr(generation_config, "dspark_verification", None),
-        threshold=getattr(generation_config, "dspark_threshold", None), do_sample=bool(generation_config.do_sample),
-        logits_processor=logits_processor, eos_token_ids=eos.reshape(-1).tolist() if eos is not None else (),
-        stop=stop if per_token else None, max_requests=len(rows))
-    drafter.last_stats = decoder.stats
-    for i, row in enumerate(rows):  # processors and stop checks see each row as batched plain generate shows it
-        decoder.add(row, generation_config.max_length - width, padding=input_ids[i, : width - len(row)].tolist(),
-                    batch_row=(i, len(rows)))
-    with decoder.running():
-        while decoder.active:
-            decoder.step()
-    pad = generation_config._pad_token_tensor
+    return stop if per_token else None
+
+
+def _padded_new_tokens(requests: list[Request], generation_config, input_ids: torch.Tensor) -> torch.Tensor:
+    """``[R, T]`` each row's new tokens, padded after its end with the pad token (else the first EOS, else 0), as
+    batched plain ``generate`` returns them; ``T`` is the longest row's new tokens."""
+    pad, eos = generation_config._pad_token_tensor, generation_config._eos_token_tensor
     pad_id = int(pad.reshape(-1)[0]) if pad is not None else (eos.reshape(-1)[0].item() if eos is not None else 0)
-    longest = max(len(r.generated) for r in decoder.requests)
-    new = torch.full((len(rows), longest), pad_id, dtype=input_ids.dtype, device=input_ids.device)
-    for i, request in enumerate(decoder.requests):
+    longest = max(len(r.generated) for r in requests)
+    new = torch.full((len(requests), longest), pad_id, dtype=input_ids.dtype, device=input_ids.device)
+    for i, request in enumerate(requests):
         new[i, : len(request.generated)] = torch.tensor(request.generated, dtype=input_ids.dtype)
-    return torch.cat([input_ids, new], dim=1)
+    return new

@@ -27,6 +27,7 @@ every token of a verified round and the output is cut at the first stop, as plai
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
@@ -36,15 +37,113 @@ from ..modeling.modeling_dspark import DSparkDrafter
 from .calibration import OnlineCorrection
 from .kernels import is_prepacked, prepack_linears
 from .lookup import LookupDrafting, lookup_enabled, one_hot_logits
-from .profiling import load_or_profile_sps
+from .profiling import ensure_sps_curve
 from .settings import call_block_size
-from .stats import GenerationStats, RoundStats
+from .stats import GenerationStats, RoundStats, publish_stats
 from .verification import POLICIES, unmet_need
 
 
 def _setting(generation_config, name, default):
     value = getattr(generation_config, name, None)
     return default if value is None else value
+
+
+@dataclass(frozen=True)
+class CallSettings:
+    """One ``generate`` call's DSpark settings, resolved and checked (:func:`call_settings`).
+
+    Attributes:
+        block_size: γ, drafts per round.
+        mode: the verification mode (:data:`~dspark_hf.modeling.configuration_dspark.VERIFICATION_MODES`).
+        threshold: the ``threshold`` mode's confidence threshold, in ``[0, 1]``.
+        lookup: whether prompt lookup plans each round (:func:`~dspark_hf.decoding.lookup.lookup_enabled`).
+    """
+
+    block_size: int
+    mode: str
+    threshold: float
+    lookup: bool
+
+    @property
+    def needs_sps(self) -> bool:
+        """Whether the call reads the target's SPS curve (the scheduled modes and prompt lookup weigh rounds by it)."""
+        return POLICIES[self.mode].needs_calibration or self.lookup
+
+
+def call_settings(drafter: DSparkDrafter, generation_config) -> CallSettings:
+    """The DSpark settings of one call: ``dspark_*`` keywords of ``generate``, else the drafter's config.
+
+    Raises:
+        ValueError: an unknown verification mode, a threshold outside ``[0, 1]``, a non-``fixed`` mode without a
+            confidence head, ``scheduler``/``async`` mode without a calibration covering γ; as
+            :func:`~dspark_hf.decoding.settings.call_block_size` and :func:`~dspark_hf.decoding.lookup.lookup_enabled`.
+    """
+    cfg = drafter.config
+    block_size = call_block_size(generation_config, cfg.block_size)
+    mode = _setting(generation_config, "dspark_verification", cfg.verification)
+    threshold = float(_setting(generation_config, "dspark_threshold", cfg.confidence_threshold))
+    _check_mode(drafter, mode, threshold, block_size)
+    lookup = lookup_enabled(_setting(generation_config, "dspark_lookup", None), drafter, block_size, mode)
+    return CallSettings(block_size=block_size, mode=mode, threshold=threshold, lookup=lookup)
+
+
+def _check_mode(drafter: DSparkDrafter, mode: str, threshold: float, block_size: int) -> None:
+    """Raise the error of :func:`call_settings` when ``drafter`` cannot run ``mode`` at γ = ``block_size``."""
+    need = unmet_need(drafter, mode, block_size)
+    if need == "mode":
+        raise ValueError(f"dspark_verification must be one of {VERIFICATION_MODES}, got {mode!r}")
+    if mode == "threshold" and not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"dspark_threshold must be a probability in [0, 1], got {threshold}")
+    if need == "confidence":
+        raise ValueError(
+            f"Verification mode {mode!r} needs a confidence head, and this drafter has none; "
+            "pass dspark_verification='fixed'."
+        )
+    if need == "calibration":
+        raise ValueError(
+            f"The {mode!r} mode needs calibrated confidences and this drafter has no calibration.json: run "
+            "`dspark calibrate`, attach one with `drafter.calibration = SequentialTemperatureScaling(...)`, "
+            "or pass dspark_verification='fixed'."
+        )
+    if need == "calibration_length":
+        raise ValueError(
+            f"The calibration covers {len(drafter.calibration.temperatures)} positions but "
+            f"dspark_block_size is {block_size}: lower dspark_block_size or rerun `dspark calibrate` "
+            "with that block size."
+        )
+
+
+def prepare_call(target, drafter: DSparkDrafter, generation_config) -> CallSettings:
+    """Bind ``drafter`` to ``target``, check the call's settings and, when they read it, give the drafter the
+    target's SPS curve: the point where a one-row ``generate(assistant_model=drafter)`` resolves it (the routing
+    runs this before transformers' assisted loop, so the candidate generator's constructor does no measuring).
+
+    The curve is the drafter's own when it covers γ + 1 verified tokens (``drafter.set_sps_curve``), else the
+    stored profile of this target on this machine, else one measured now (about 25 s on a CPU, then stored:
+    :func:`~dspark_hf.decoding.profiling.ensure_sps_curve`). To choose when that happens (e.g. at server start),
+    run ``dspark profile`` or ``drafter.set_sps_curve(dspark_hf.load_or_profile_sps(target))`` beforehand.
+
+    Raises:
+        ValueError / TypeError: as :meth:`DSparkDrafter.bind` and :func:`call_settings`.
+    """
+    drafter.bind(target)
+    settings = call_settings(drafter, generation_config)
+    if settings.needs_sps:
+        longest = max(drafter.config.block_size, settings.block_size) + 1
+        ensure_sps_curve(target, drafter, settings.block_size + 1, longest)
+    return settings
+
+
+@dataclass
+class _Proposal:
+    """What a round proposes for verification (:meth:`DSparkCandidateGenerator._propose`)."""
+
+    drafts: torch.Tensor  # [γ'] the proposed ids (drafts or lookup tokens)
+    confidences: torch.Tensor | None  # [γ'] the drafter's confidences, None without a drafter pass
+    logits: torch.Tensor | None  # [γ', V] the proposal's processed logits when sampling
+    scheduled: int  # ℓ, how many of them go to verification
+    context_ms: float = 0.0  # appending pending target features to the drafter's context
+    context_tokens: int = 0
 
 
 class DSparkCandidateGenerator(CandidateGenerator):
@@ -58,9 +157,14 @@ class DSparkCandidateGenerator(CandidateGenerator):
     :class:`~dspark_hf.decoding.lookup.LookupDrafting` plans each round first: a prompt-lookup continuation (no drafter
     pass, one-hot proposal logits), the DSpark block, or lookup tokens forced as the block's first drafts.
 
+    The call's statistics are a fresh :class:`~dspark_hf.decoding.stats.GenerationStats` (``self.stats``), published
+    as the calling thread's ``drafter.last_stats`` (:func:`~dspark_hf.decoding.stats.publish_stats`).
+
     Raises:
-        ValueError: batch size > 1 (``generate`` sends batches to :mod:`dspark_hf.decoding.concurrent`), an unknown verification mode, a non-``fixed`` mode without a
-            confidence head, or ``scheduler``/``async`` mode without a calibration covering γ.
+        ValueError: batch size > 1 (``generate`` sends batches to :mod:`dspark_hf.decoding.concurrent`), and as
+            :func:`call_settings`.
+        RuntimeError: the call needs an SPS curve and the drafter has none covering γ (:func:`prepare_call` gives
+            it one; ``generate`` runs it).
     """
 
     requires_model_outputs = True
@@ -74,119 +178,90 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.drafter = drafter.bind(target)
         if is_prepacked(target):  # the drafter runs the same CPU kernels as its target (no-op when done)
             prepack_linears(self.drafter)
-        cfg = drafter.config
-        self.block_size = call_block_size(generation_config, cfg.block_size)
-        self.mode = _setting(generation_config, "dspark_verification", cfg.verification)
-        self.threshold = float(_setting(generation_config, "dspark_threshold", cfg.confidence_threshold))
-        self._check_mode()
-        use_lookup = lookup_enabled(_setting(generation_config, "dspark_lookup", None), drafter, self.block_size, self.mode)
-        stale = drafter.sps_curve is None or drafter.sps_curve.max_tokens <= self.block_size
-        if (POLICIES[self.mode].needs_calibration or use_lookup) and stale:
-            drafter.set_sps_curve(load_or_profile_sps(target, max_tokens=max(cfg.block_size, self.block_size) + 1))
+        settings = call_settings(drafter, generation_config)
+        self.block_size, self.mode, self.threshold = settings.block_size, settings.mode, settings.threshold
+        self.policy = POLICIES[self.mode]()
+        if settings.needs_sps and (drafter.sps_curve is None or drafter.sps_curve.max_tokens <= self.block_size):
+            raise RuntimeError("This call reads the target's SPS curve and the drafter has none covering "
+                               f"γ = {self.block_size}: run dspark_hf.decoding.candidate_generator.prepare_call first.")
         self.sps = drafter.sps_curve
         # the round planner learns how far this prompt's drafts beat or miss their calibrated confidences
-        self.correction = OnlineCorrection() if use_lookup else None
+        self.correction = OnlineCorrection() if settings.lookup else None
         self.lookup = (LookupDrafting(drafter.calibration, self.sps, MAX_BLOCK_SIZE, self.correction)
-                       if use_lookup else None)
+                       if settings.lookup else None)
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
         self.max_length = generation_config.max_length
-        self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in cfg.target_layer_ids]}
+        self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in drafter.config.target_layer_ids]}
         self.context = drafter.new_context()
         self._pending: list[torch.Tensor] = []  # target features not yet in the context (added before a draft)
         self._known = 0  # positions in the context or pending
         self.stats = GenerationStats(verification=self.mode)
-        drafter.last_stats = self.stats
-        if (mirror := drafter.__dict__.get("_stats_mirror")) is not None:  # the trust_remote_code copy it stands for
-            mirror.last_stats = self.stats
+        publish_stats(drafter, self.stats)
         self._verify_start = None
         self._verify_context = 0  # tokens in the target's cache before the round's verification
         self._round_start = None  # when the last round's get_candidates began (its costs are learnt at the next)
         self._pass_seconds = None  # the last round's drafter pass (None: it did not draft)
 
-    def _check_mode(self):
-        need = unmet_need(self.drafter, self.mode, self.block_size)
-        if need == "mode":
-            raise ValueError(f"dspark_verification must be one of {VERIFICATION_MODES}, got {self.mode!r}")
-        if self.mode == "threshold" and not 0.0 <= self.threshold <= 1.0:
-            raise ValueError(f"dspark_threshold must be a probability in [0, 1], got {self.threshold}")
-        if need == "confidence":
-            raise ValueError(
-                f"Verification mode {self.mode!r} needs a confidence head, and this drafter has none; "
-                "pass dspark_verification='fixed'."
-            )
-        if need == "calibration":
-            raise ValueError(
-                f"The {self.mode!r} mode needs calibrated confidences and this drafter has no calibration.json: run "
-                "`dspark calibrate`, attach one with `drafter.calibration = SequentialTemperatureScaling(...)`, "
-                "or pass dspark_verification='fixed'."
-            )
-        if need == "calibration_length":
-            raise ValueError(
-                f"The calibration covers {len(self.drafter.calibration.temperatures)} positions but "
-                f"dspark_block_size is {self.block_size}: lower dspark_block_size or rerun `dspark calibrate` "
-                "with that block size."
-            )
-        self.policy = POLICIES[self.mode]()
-
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, **kwargs):
-        """See :class:`~transformers.generation.CandidateGenerator`; the first call lets the target prefill."""
+        """See :class:`~transformers.generation.CandidateGenerator`; the first call lets the target prefill.
+
+        Returns:
+            ``(candidates, logits)``: ``[1, L + ℓ]`` ids (``input_ids`` then ℓ proposed tokens) and, when
+            sampling, ``[1, ℓ, V]`` their processed logits (``None`` when greedy or ``ℓ = 0``).
+        """
         if is_first_iteration:
             return input_ids, None
+        # 1. bookkeeping: the last round's costs, the target features it accepted
         entry = time.perf_counter()
         self._learn_round_costs(entry)
         self._collect_features(input_ids, model_outputs)
         gamma = min(self.block_size, self.max_length - input_ids.shape[1] - 1)
         self._verify_context = input_ids.shape[1] - 1  # the scheduler reads the SPS row of this context
         start = time.perf_counter()
-        bookkeeping_ms = 1e3 * (start - entry)  # learning the last round's costs, collecting its features
+        bookkeeping_ms = 1e3 * (start - entry)
         if gamma <= 0:  # one token left: the target verifies the anchor alone, a round without drafts
             self._start_verification(RoundStats(drafted=0, scheduled=0, bookkeeping_ms=bookkeeping_ms))
             return input_ids, None
-        room = self.max_length - input_ids.shape[1] - 1
-        plan = self.lookup.plan(input_ids, gamma, room) if self.lookup is not None else None  # before any drafting
+        # 2. plan (prompt lookup, before any drafting), 3. propose, 4. record the round
+        plan = self.lookup.plan(input_ids, gamma, self.max_length - input_ids.shape[1] - 1) if self.lookup is not None else None
         plan_ms = 1e3 * (time.perf_counter() - start)
-        context_ms, context_tokens = 0.0, 0
-        if plan is not None and plan.source in ("lookup", "target"):  # no drafter pass
-            drafts, confidences = torch.tensor(plan.lookup_tokens, dtype=torch.long), None
-            draft_logits = one_hot_logits(drafts, self.drafter.config.vocab_size) if self.do_sample else None
-            scheduled = plan.length
-        else:
-            forced = torch.tensor(plan.lookup_tokens) if plan is not None and plan.source == "hybrid" else None
-            pass_start = time.perf_counter()
-            context_tokens = self._catch_up_context()
-            context_ms = 1e3 * (time.perf_counter() - pass_start)
-            block = self.drafter.draft(
-                self.context, int(input_ids[0, -1]), gamma, self.do_sample, self.logits_processor, input_ids,
-                forced_tokens=forced,
-            )
-            self._pass_seconds = time.perf_counter() - pass_start
-            if self.lookup is not None:
-                self.lookup.observe_block(block.confidences)
-            drafts, confidences, draft_logits = block.tokens, block.confidences, block.logits
-            scheduled = plan.length if forced is not None else self._prefix_length(block, gamma)
-            if plan is not None and plan.probe:  # a probe verifies a draft, so the correction hears from the drafter
-                scheduled = max(scheduled, 1)
-        length = scheduled  # never looks at a draft's own value (Appendix A); stop strings act after verification
-        self._start_verification(
-            RoundStats(
-                drafted=drafts.numel(),
-                scheduled=length,
-                draft_tokens=drafts.tolist(),
-                confidences=confidences.tolist() if confidences is not None else [],
-                draft_ms=1e3 * (time.perf_counter() - start),
-                lookup=len(plan.lookup_tokens) if plan is not None else 0,
-                plan_ms=plan_ms,
-                context_ms=context_ms,
-                context_tokens=context_tokens,
-                bookkeeping_ms=bookkeeping_ms,
-            )
-        )
+        proposal = self._propose(input_ids, gamma, plan)
+        length = proposal.scheduled  # never looks at a draft's own value (Appendix A); stop strings act after verification
+        self._start_verification(RoundStats(
+            drafted=proposal.drafts.numel(), scheduled=length, draft_tokens=proposal.drafts.tolist(),
+            confidences=proposal.confidences.tolist() if proposal.confidences is not None else [],
+            draft_ms=1e3 * (time.perf_counter() - start), lookup=len(plan.lookup_tokens) if plan is not None else 0,
+            plan_ms=plan_ms, context_ms=proposal.context_ms, context_tokens=proposal.context_tokens,
+            bookkeeping_ms=bookkeeping_ms,
+        ))
         if length == 0:
             return input_ids, None
-        candidates = torch.cat([input_ids, drafts[:length][None].to(input_ids.device)], dim=-1)
-        logits = draft_logits[None, :length] if self.do_sample else None
-        return candidates, logits
+        candidates = torch.cat([input_ids, proposal.drafts[:length][None].to(input_ids.device)], dim=-1)
+        return candidates, (proposal.logits[None, :length] if self.do_sample else None)
+
+    def _propose(self, input_ids, gamma: int, plan) -> _Proposal:
+        """The round's proposal: the plan's lookup tokens (no drafter pass, one-hot logits), or a drafter block of
+        ``gamma`` (its first drafts forced to the plan's tokens in a ``hybrid`` round) and its scheduled length."""
+        if plan is not None and plan.source in ("lookup", "target"):  # no drafter pass
+            drafts = torch.tensor(plan.lookup_tokens, dtype=torch.long)
+            logits = one_hot_logits(drafts, self.drafter.config.vocab_size) if self.do_sample else None
+            return _Proposal(drafts, None, logits, plan.length)
+        forced = torch.tensor(plan.lookup_tokens) if plan is not None and plan.source == "hybrid" else None
+        pass_start = time.perf_counter()
+        context_tokens = self._catch_up_context()
+        context_ms = 1e3 * (time.perf_counter() - pass_start)
+        block = self.drafter.draft(
+            self.context, int(input_ids[0, -1]), gamma, self.do_sample, self.logits_processor, input_ids,
+            forced_tokens=forced,
+        )
+        self._pass_seconds = time.perf_counter() - pass_start
+        if self.lookup is not None:
+            self.lookup.observe_block(block.confidences)
+        scheduled = plan.length if forced is not None else self._prefix_length(block, gamma)
+        if plan is not None and plan.probe:  # a probe verifies a draft, so the correction hears from the drafter
+            scheduled = max(scheduled, 1)
+        return _Proposal(block.tokens, block.confidences, block.logits, scheduled, context_ms, context_tokens)
 
     def _learn_round_costs(self, now: float):
         """At the start of a round (``now``, ``time.perf_counter()`` seconds): the previous round's wall-clock time

@@ -22,8 +22,6 @@ from transformers.cache_utils import DynamicLayer
 
 from ..modeling.kv_buffer import KVBuffer
 
-_MARK = "_dspark_growing_cache"  # set in a model's __dict__ by use_growing_cache
-
 
 class GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` on a :class:`KVBuffer`: ``keys``/``values`` are views ``[B, H_kv, n, D]`` of the live
@@ -106,8 +104,20 @@ def generation_cache(model: torch.nn.Module) -> DynamicCache:
 
 
 def uses_growing_cache(model: torch.nn.Module) -> bool:
-    """Whether ``model.generate`` starts with a :class:`GrowingCache` (:func:`use_growing_cache`)."""
-    return model.__dict__.get(_MARK, False)
+    """Whether ``model.generate`` starts with a :class:`GrowingCache` (:func:`use_growing_cache` wrapped this
+    instance's ``_prepare_cache_for_generation``)."""
+    return getattr(model._prepare_cache_for_generation, "__func__", None) is _prepare_growing_cache
+
+
+def _prepare_growing_cache(self, generation_config, model_kwargs, *args, **kwargs):
+    """The class's ``_prepare_cache_for_generation``; then, where it created a plain ``DynamicCache``, a
+    :class:`GrowingCache` instead (bound to one model by :func:`use_growing_cache`)."""
+    type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)  # stock
+    cache = model_kwargs.get("cache")
+    if type(cache) is DynamicCache and not cache.offloading and not getattr(cache, "_is_user_defined", False):
+        model_kwargs["cache"] = GrowingCache(config=self.config.get_text_config(decoder=True))
+        if generation_config.is_assistant:  # as stock does for the cache it creates for an assistant model
+            model_kwargs["cache"].activate_past_recording()
 
 
 def use_growing_cache(model: torch.nn.Module) -> torch.nn.Module:
@@ -122,17 +132,6 @@ def use_growing_cache(model: torch.nn.Module) -> torch.nn.Module:
     Returns:
         ``model``.
     """
-    if uses_growing_cache(model):
-        return model
-
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)  # stock
-        cache = model_kwargs.get("cache")
-        if type(cache) is DynamicCache and not cache.offloading and not getattr(cache, "_is_user_defined", False):
-            model_kwargs["cache"] = GrowingCache(config=self.config.get_text_config(decoder=True))
-            if generation_config.is_assistant:  # as stock does for the cache it creates for an assistant model
-                model_kwargs["cache"].activate_past_recording()
-
-    model.__dict__[_MARK] = True
-    model._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, model)
+    if not uses_growing_cache(model):
+        model._prepare_cache_for_generation = types.MethodType(_prepare_growing_cache, model)
     return model

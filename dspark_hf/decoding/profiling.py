@@ -56,6 +56,7 @@ from .targets import kernels_label
 
 __all__ = [
     "device_name",
+    "ensure_sps_curve",
     "grow_cache",
     "load_or_profile_sps",
     "plot_sps",
@@ -199,9 +200,8 @@ def profile_sps(
 ) -> SPSCurve:
     """Measure ``SPS(B)`` for ``B = 1..max_tokens`` at several context lengths (paper §3.2.2).
 
-    Always measures (use :func:`load_or_profile_sps` to reuse a stored curve). Random token ids from a
-    fixed seed, batch size 1; the global RNG is untouched. Runs the target in whatever train/eval mode
-    it is in (load targets with ``.eval()``). See the module docstring for the stopping rule.
+    Always measures (:func:`load_or_profile_sps` reuses a stored curve). Random ids from a fixed seed, batch 1, the
+    global RNG untouched, the target in its own train/eval mode (load it with ``.eval()``); stopping rule: module docstring.
 
     Args:
         target: causal LM (transformers 5.x) with ``config`` and ``get_input_embeddings``.
@@ -231,30 +231,13 @@ def profile_sps(
     """
     limit = _check_profile_args(target, max_tokens, context_len, max_repeats, min_repeats)
     order = sorted({c for c in contexts if c > 0 and (limit is None or c + max_tokens <= limit)} | {context_len})
-    device = next(target.parameters()).device
-    vocab = target.get_input_embeddings().num_embeddings
-    generator = torch.Generator().manual_seed(0)
-    kv = generation_cache(target)  # the cache generate() runs with
     start = time.perf_counter()
-    with torch.inference_mode():
-        context = torch.randint(vocab, (1, order[0]), generator=generator).to(device)  # (1, shortest context)
-        target(input_ids=context, cache=kv, use_cache=True)  # prefill once
-    blocks = [torch.randint(vocab, (1, b), generator=generator).to(device) for b in range(1, max_tokens + 1)]  # (1, B)
-    rows, spreads = {}, []
-    hard_end = start + time_budget_s
+    kv, blocks = _prefilled_cache(target, order[0], max_tokens)
     with tqdm(desc="Profiling SPS(B)", unit="sweep", disable=not progress) as bar:
         for block in blocks:  # one untimed sweep: allocator, kernel selection
             time_verify_step(target, kv, block)
-        for i, ctx in enumerate(order):
-            if ctx != context_len and time.perf_counter() >= hard_end:
-                continue  # out of time: online refinement adds this row when such contexts occur
-            grow_cache(target, kv, ctx)
-            share_end = time.perf_counter() + (hard_end - time.perf_counter()) / (len(order) - i)
-            bar.set_postfix(context=ctx)
-            rows[ctx], spread = _measure_row(target, kv, blocks, rel_tol, min_repeats, max_repeats, share_end,
-                                             hard_end, bar)
-            spreads.append(spread)
-    spread = max(spreads)
+        rows, spread = _measure_rows(target, kv, blocks, order, context_len, start + time_budget_s, bar,
+                                     rel_tol=rel_tol, min_repeats=min_repeats, max_repeats=max_repeats)
     curve = SPSCurve(steps_per_s=rows.pop(context_len), context_len=context_len, context_curves=rows,
                      noisy=spread > NOISY_SPREAD, spread=spread, **_describe(target))
     if curve.noisy:
@@ -262,6 +245,39 @@ def profile_sps(
     if cache:
         _write(curve, sps_cache_path(target, context_len))
     return curve.smooth() if smooth else curve
+
+
+def _prefilled_cache(target: torch.nn.Module, context_len: int, max_tokens: int) -> tuple[DynamicCache, list[torch.Tensor]]:
+    """The cache ``generate`` runs with, prefilled with ``context_len`` random tokens (seed 0; the global RNG is
+    untouched), and the random verification blocks ``[1, B]`` for ``B = 1..max_tokens``."""
+    device = next(target.parameters()).device
+    vocab = target.get_input_embeddings().num_embeddings
+    generator = torch.Generator().manual_seed(0)
+    kv = generation_cache(target)
+    with torch.inference_mode():
+        context = torch.randint(vocab, (1, context_len), generator=generator).to(device)  # (1, context_len)
+        target(input_ids=context, cache=kv, use_cache=True)
+    blocks = [torch.randint(vocab, (1, b), generator=generator).to(device) for b in range(1, max_tokens + 1)]  # (1, B)
+    return kv, blocks
+
+
+def _measure_rows(target, kv, blocks, order: Sequence[int], context_len: int, hard_end: float, bar,
+                  **stopping) -> tuple[dict[int, list[float]], float]:
+    """Measure one row per context of ``order`` (ascending) on the growing cache ``kv``: ``({context:
+    steps_per_s}, the widest spread)``. Each context gets an even share of the time left before ``hard_end``;
+    past it, contexts other than ``context_len`` are skipped (online refinement adds their rows when they occur).
+    ``stopping``: ``rel_tol``, ``min_repeats``, ``max_repeats`` of :func:`_measure_row`."""
+    rows, spreads = {}, []
+    for i, ctx in enumerate(order):
+        if ctx != context_len and time.perf_counter() >= hard_end:
+            continue
+        grow_cache(target, kv, ctx)
+        share_end = time.perf_counter() + (hard_end - time.perf_counter()) / (len(order) - i)
+        bar.set_postfix(context=ctx)
+        rows[ctx], spread = _measure_row(target, kv, blocks, share_end=share_end, hard_end=hard_end, bar=bar,
+                                         **stopping)
+        spreads.append(spread)
+    return rows, max(spreads)
 
 
 def _noisy_message(curve: SPSCurve) -> str:
@@ -333,6 +349,22 @@ def load_or_profile_sps(
         curve = profile_sps(target, max_tokens, context_len, smooth=False, cache=True, progress=progress,
                             **profile_kwargs)
     return curve.smooth() if smooth else curve
+
+
+def ensure_sps_curve(target: torch.nn.Module, drafter, min_tokens: int, max_tokens: int | None = None) -> SPSCurve:
+    """The SPS curve a call needs, given to ``drafter``: its own (``drafter.sps_curve``) when it covers ``min_tokens``
+    verified tokens, else :func:`load_or_profile_sps` to ``max_tokens`` (default ``min_tokens``) — the stored
+    curve of this target on this machine, or one measured now (about 25 s on a CPU, then stored) — set with
+    ``drafter.set_sps_curve``.
+
+    Raises:
+        ValueError: as :func:`profile_sps`.
+    """
+    curve = drafter.sps_curve
+    if curve is None or curve.max_tokens < min_tokens:
+        curve = load_or_profile_sps(target, max_tokens=max(min_tokens, max_tokens or 0))
+        drafter.set_sps_curve(curve)
+    return curve
 
 
 def plot_sps(curve: SPSCurve, path: str | os.PathLike) -> Path:

@@ -1,8 +1,14 @@
 """Routing ``target.generate(..., assistant_model=DSparkDrafter)`` through DSpark drafting.
 
-transformers has no public argument for a custom candidate generator, so :func:`install` (run by
-``import dspark_hf``) wraps three private ``GenerationMixin`` methods; :func:`uninstall` puts the stock ones back.
-Every other assistant keeps transformers' own behaviour untouched.
+transformers has no public argument for a custom candidate generator, so :func:`install` replaces three private
+``GenerationMixin`` methods with this module's functions (their ``__module__`` is this module, their
+``__wrapped__`` and :func:`stock` the stock method); :func:`uninstall` puts the stock ones back. Every other
+assistant keeps transformers' own behaviour untouched.
+
+When it is installed. Importing this module (or any other module of the package) patches nothing. :func:`install`
+runs from :func:`dspark_hf.wire`, i.e. at the first use of a public name of ``dspark_hf`` (``dspark_hf.DSparkDrafter``,
+``from dspark_hf import SPSCurve``...), when the first ``DSparkDrafter`` of a process is built (however its class
+was imported, the ``trust_remote_code`` copy included), and by the ``dspark`` command. :func:`is_installed` tells.
 
 * ``_get_candidate_generator``: a DSpark drafter gets
   :class:`~dspark_hf.decoding.candidate_generator.DSparkCandidateGenerator`, after the final logits processor list
@@ -11,22 +17,25 @@ Every other assistant keeps transformers' own behaviour untouched.
   compute (:mod:`dspark_hf.decoding.settings`), the drafter is bound to the target, and a ``trust_remote_code``
   copy of the drafter class is swapped for this package's (:func:`package_drafter`);
 * ``_assisted_decoding``: a batch of several rows goes to :func:`~dspark_hf.decoding.batch_generate.generate_batch`
-  (all rows in one ragged target forward per step); for one row, a user's pre-filled cache is emptied so the whole prompt is prefilled
-  (:func:`restart_prefilled_cache`); stop strings and custom criteria see every token
-  (:mod:`dspark_hf.decoding.stopping`).
+  (all rows in one ragged target forward per step); for one row, a user's pre-filled cache is emptied so the whole
+  prompt is prefilled (:func:`restart_prefilled_cache`), the call's settings are checked and the drafter given
+  the target's SPS curve when they read it (:func:`~dspark_hf.decoding.candidate_generator.prepare_call`), and stop
+  strings and custom criteria see every token (:mod:`dspark_hf.decoding.stopping`). The call's statistics are
+  ``output.dspark_stats`` with ``return_dict_in_generate=True`` (and ``drafter.last_stats`` in the calling thread).
 
-Version window: transformers ``>=5.24,<6`` (:data:`SUPPORTED_TRANSFORMERS`). The wrappers bind the stock
-methods' arguments BY NAME; the parameters they read are checked at import (:data:`_REQUIRED_PARAMETERS`),
-and a transformers without them fails at ``import dspark_hf`` with an error that names the supported range.
+Version window: transformers ``>=5.24,<6`` (:data:`SUPPORTED_TRANSFORMERS`). The replacements bind the stock
+methods' arguments BY NAME; the parameters they read are checked when this module is imported
+(:data:`_REQUIRED_PARAMETERS`), and a transformers without them fails with an error that names the supported range.
 Exit condition: when transformers accepts a candidate generator (or a factory) through a public ``generate``
-argument, this module reduces to passing it, and the wrapping goes.
+argument, this module reduces to passing it, and the replacing goes.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
+import weakref
 
+import torch
 import transformers
 from transformers import GenerationConfig
 from transformers.generation.candidate_generator import CandidateGenerator
@@ -36,7 +45,7 @@ from ..modeling.configuration_dspark import DSparkConfig
 from ..modeling.modeling_dspark import DSparkDrafter
 from .batch_generate import generate_batch
 from .calibration import SequentialTemperatureScaling
-from .candidate_generator import DSparkCandidateGenerator
+from .candidate_generator import DSparkCandidateGenerator, prepare_call
 from .settings import (
     DSPARK_GENERATE_KWARGS,
     _reject_dspark_settings_without_drafter,
@@ -44,6 +53,7 @@ from .settings import (
     _validate_dspark_call,
     call_block_size,
 )
+from .stats import stand_in
 from .stopping import ROUND_EXACT_CRITERIA, PerTokenStopping, _cut_at_stop, _StoppingStreamer
 
 SUPPORTED_TRANSFORMERS = ">=5.24,<6"
@@ -78,17 +88,47 @@ def _stock_signatures() -> dict[str, inspect.Signature]:
 
 _STOCK = {name: getattr(GenerationMixin, name) for name in _REQUIRED_PARAMETERS}
 _SIGNATURES = _stock_signatures()
+# trust_remote_code copy -> this package's drafter standing in for it (package_drafter); weak: dies with the copy
+_PACKAGE_DRAFTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def stock(name: str):
+    """The stock ``GenerationMixin`` method ``name`` (one of :data:`_REQUIRED_PARAMETERS`) that :func:`install`
+    replaces, e.g. to call transformers' own behaviour while routing is installed.
+
+    Raises:
+        KeyError: ``name`` is not one of the replaced methods.
+    """
+    return _STOCK[name]
+
+
+def is_installed() -> bool:
+    """Whether ``GenerationMixin`` currently runs this module's replacements (:func:`install`)."""
+    return all(getattr(GenerationMixin, name) is method for name, method in _OURS.items())
+
+
+def _ours(function):
+    """Label ``function`` as the replacement of the stock ``GenerationMixin`` method of the same name: it keeps
+    its own ``__module__``/``__qualname__`` (this module), ``__wrapped__`` is the stock method, and its docstring
+    says both."""
+    name = function.__name__
+    function.__wrapped__ = _STOCK[name]
+    function.__doc__ = (f"dspark_hf's replacement of ``GenerationMixin.{name}`` (installed by "
+                        f"dspark_hf.decoding.routing.install; the stock method: ``stock({name!r})``).\n\n"
+                        + inspect.cleandoc(function.__doc__ or ""))
+    return function
 
 
 def package_drafter(remote) -> DSparkDrafter:
     """This package's :class:`DSparkDrafter` for a ``trust_remote_code`` copy of the class (same config, weights,
-    calibration and SPS curve), built once and cached on the copy; the copy's ``last_stats`` follows each call.
+    calibration and SPS curve), built once per copy (kept while the copy lives); the copy's ``last_stats``
+    follows each call (:func:`~dspark_hf.decoding.stats.stand_in`).
 
     Raises:
         ValueError: the copy's code differs from this package's (its weights do not load): load the drafter
             with ``dspark_hf.DSparkDrafter.from_pretrained``.
     """
-    cached = remote.__dict__.get("_dspark_hf_drafter")
+    cached = _PACKAGE_DRAFTERS.get(remote)
     if cached is None:
         cached = DSparkDrafter(DSparkConfig.from_dict(remote.config.to_dict()))
         try:
@@ -101,13 +141,13 @@ def package_drafter(remote) -> DSparkDrafter:
             cached.calibration = SequentialTemperatureScaling(temperatures=list(remote.calibration.temperatures))
         if remote.sps_curve is not None:
             cached.set_sps_curve(remote.sps_curve)
-        cached.__dict__["_stats_mirror"] = remote
-        remote.__dict__["_dspark_hf_drafter"] = cached
+        stand_in(cached, remote)
+        _PACKAGE_DRAFTERS[remote] = cached
     return cached
 
 
-@functools.wraps(_STOCK["_get_candidate_generator"])
 def _get_candidate_generator(self, *args, **kwargs):
+    """A DSpark drafter gets :class:`DSparkCandidateGenerator`; any other assistant, transformers' choice."""
     call = _SIGNATURES["_get_candidate_generator"].bind(self, *args, **kwargs).arguments
     if isinstance(call.get("assistant_model"), DSparkDrafter):
         _reject_stateful_processors(call["logits_processor"])
@@ -117,8 +157,9 @@ def _get_candidate_generator(self, *args, **kwargs):
     return _STOCK["_get_candidate_generator"](self, *args, **kwargs)
 
 
-@functools.wraps(_STOCK["_validate_generation_mode"])
 def _validate_generation_mode(self, *args, **kwargs):
+    """Refuse ``dspark_*`` settings that do not apply, bind a DSpark drafter (this package's class for a
+    ``trust_remote_code`` copy), then transformers' own validation."""
     call = _SIGNATURES["_validate_generation_mode"].bind(self, *args, **kwargs).arguments
     generation_config = call["generation_config"]
     assistant = (call["generation_mode_kwargs"] or {}).get("assistant_model")
@@ -160,36 +201,50 @@ def restart_prefilled_cache(model_kwargs: dict, input_ids) -> None:
     cache.crop(-cached)
 
 
-@functools.wraps(_STOCK["_assisted_decoding"])
 def _assisted_decoding(self, *args, **kwargs):
-    """transformers' assisted loop; with a DSpark drafter and criteria beyond max length / EOS / max time,
-    the criteria see every token (:class:`PerTokenStopping`) and the output is cut at the first stop."""
+    """transformers' assisted loop; a DSpark drafter's call is prepared first (:func:`prepare_call`) and its
+    statistics attached to a dict output (``output.dspark_stats``). A batch of several rows runs in
+    :func:`generate_batch`. With criteria beyond max length / EOS / max time, the criteria see every token
+    (:class:`PerTokenStopping`) and the output is cut at the first stop."""
     call = _SIGNATURES["_assisted_decoding"].bind(self, *args, **kwargs)
     arguments = call.arguments
     drafter, criteria = arguments.get("assistant_model"), arguments["stopping_criteria"]
-    if isinstance(drafter, DSparkDrafter) and arguments["input_ids"].shape[0] > 1:  # many rows: one ragged loop
-        return generate_batch(self, drafter, arguments["input_ids"], arguments["generation_config"],
-                              arguments["logits_processor"], criteria, arguments.get("model_kwargs", {}),
-                              arguments.get("streamer"))
-    if isinstance(drafter, DSparkDrafter):
-        restart_prefilled_cache(arguments.get("model_kwargs", {}), arguments["input_ids"])
-    if not isinstance(drafter, DSparkDrafter) or all(isinstance(c, ROUND_EXACT_CRITERIA) for c in criteria):
+    if not isinstance(drafter, DSparkDrafter):
         return _STOCK["_assisted_decoding"](*call.args, **call.kwargs)
     input_ids, config = arguments["input_ids"], arguments["generation_config"]
+    if input_ids.shape[0] > 1:  # many rows: one ragged loop
+        return generate_batch(self, drafter, input_ids, config, arguments["logits_processor"], criteria,
+                              arguments.get("model_kwargs", {}), arguments.get("streamer"))
+    restart_prefilled_cache(arguments.get("model_kwargs", {}), input_ids)
+    prepare_call(self, drafter, config)
+    if all(isinstance(c, ROUND_EXACT_CRITERIA) for c in criteria):
+        return _with_stats(_STOCK["_assisted_decoding"](*call.args, **call.kwargs), drafter)
     stopping = PerTokenStopping(criteria, input_ids.shape[1])
     arguments["stopping_criteria"] = stopping
     if arguments.get("streamer") is not None:
         scores_recorded = bool(config.return_dict_in_generate and config.output_scores)
         arguments["streamer"] = _StoppingStreamer(arguments["streamer"], stopping, input_ids, not scores_recorded)
     result = _STOCK["_assisted_decoding"](*call.args, **call.kwargs)
-    return _cut_at_stop(result, stopping.stop_length, input_ids.shape[1], drafter.last_stats)
+    return _with_stats(_cut_at_stop(result, stopping.stop_length, input_ids.shape[1], drafter.last_stats), drafter)
+
+
+def _with_stats(result, drafter: DSparkDrafter):
+    """``result`` with, when it is a ``ModelOutput`` (``return_dict_in_generate=True``), this call's statistics as
+    ``result.dspark_stats``: the object the call's candidate generator created and published as this thread's
+    ``drafter.last_stats`` (an attribute, not an output field: ``to_tuple()`` and the keys are unchanged)."""
+    if not isinstance(result, torch.Tensor):
+        result.dspark_stats = drafter.last_stats
+    return result
+
+
+_OURS = {f.__name__: _ours(f) for f in (_get_candidate_generator, _validate_generation_mode, _assisted_decoding)}
 
 
 def install() -> None:
-    """Route DSpark drafters through :class:`DSparkCandidateGenerator` (idempotent; done on import)."""
-    GenerationMixin._get_candidate_generator = _get_candidate_generator
-    GenerationMixin._validate_generation_mode = _validate_generation_mode
-    GenerationMixin._assisted_decoding = _assisted_decoding
+    """Replace the three ``GenerationMixin`` methods with this module's (idempotent); run by
+    :func:`dspark_hf.wire` (see the module docstring for when)."""
+    for name, method in _OURS.items():
+        setattr(GenerationMixin, name, method)
     for name in DSPARK_GENERATE_KWARGS:  # class defaults make `generate(dspark_...=...)` config fields
         if not hasattr(GenerationConfig, name):
             setattr(GenerationConfig, name, None)

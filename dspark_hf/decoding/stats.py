@@ -1,8 +1,14 @@
 """What a ``generate`` call with a DSpark drafter records: one :class:`RoundStats` per target verification,
-collected in :class:`GenerationStats` (``drafter.last_stats``). The bench, the calibration and the demo read them."""
+collected in :class:`GenerationStats`. The bench, the calibration and the demo read them.
+
+Each call has its own statistics object: ``output.dspark_stats`` with ``return_dict_in_generate=True``, and
+``drafter.last_stats`` in the calling thread (:func:`publish_stats`; per thread, so threads sharing a drafter
+do not overwrite each other's; a thread that ran no call reads the latest call's).
+"""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 from ..metrics import tau
@@ -51,7 +57,7 @@ class RoundStats:
 
 @dataclass
 class GenerationStats:
-    """Per-round statistics of the last ``generate`` call (``drafter.last_stats``).
+    """Per-round statistics of one ``generate`` call (``output.dspark_stats``; ``drafter.last_stats`` in its thread).
 
     Every generated token belongs to exactly one place: the first to the target's prefill, each later
     one to exactly one round, so ``new_tokens == 1 + sum(r.accepted + 1 for r in rounds)``.
@@ -157,3 +163,22 @@ def full_rounds(stats_list: list[GenerationStats], gamma: int) -> tuple[list[int
     """
     kept = [r for stats in stats_list for r in stats.rounds[:-1] if r.is_full(gamma)]
     return [r.accepted for r in kept], [list(r.confidences) for r in kept if r.confidences]
+
+
+# package drafter -> weak reference to the trust_remote_code copy it stands in for (routing.package_drafter)
+_STANDS_IN_FOR: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def stand_in(drafter, remote) -> None:
+    """Record that ``drafter`` (this package's class) decodes for ``remote`` (a ``trust_remote_code`` copy of the
+    class), so that :func:`publish_stats` shows each call's statistics on the copy the caller holds too."""
+    _STANDS_IN_FOR[drafter] = weakref.ref(remote)
+
+
+def publish_stats(drafter, stats) -> None:
+    """Make ``stats`` (a call's own object, filled as its rounds run) the calling thread's ``last_stats`` of
+    ``drafter`` and of the ``trust_remote_code`` copy it stands in for (:func:`stand_in`)."""
+    drafter.last_stats = stats
+    remote = _STANDS_IN_FOR[drafter]() if drafter in _STANDS_IN_FOR else None
+    if remote is not None:
+        remote.last_stats = stats

@@ -142,7 +142,7 @@ def _to_speculators(drafter: DSparkDrafter, heads: dict, verifier: str):
     tensors = _body(drafter)
     if reduced:
         drafter._require_bound()
-        rows = drafter.__dict__["_shared"][1]  # the target's lm_head rows of the draft vocabulary
+        rows = drafter.bound.rows  # the target's lm_head rows of the draft vocabulary
         t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
         t2d[ids.cpu()] = True
         sorted_ids = ids[order].cpu()
@@ -163,8 +163,8 @@ def _to_speculators(drafter: DSparkDrafter, heads: dict, verifier: str):
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.block_size,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": list(getattr(bound.config, "architectures", None) or [])
-                         if (bound := drafter.__dict__.get("_bound_target")) is not None else []},
+            "verifier": {"name_or_path": verifier, "architectures": list(getattr(drafter.bound.model.config, "architectures", None) or [])
+                         if drafter.is_bound else []},
         },
         "transformer_layer_config": _layer_config(config),
         "draft_vocab_size": ids.numel(),

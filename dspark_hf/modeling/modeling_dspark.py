@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,35 +24,13 @@ from .configuration_dspark import DSparkConfig
 from .drafting import pad_contexts, sample_blocks
 from .heads import ConfidenceHead, build_sequential_head
 from .outputs import DraftBlock, DraftContext, DraftOutput
+from .state import BoundTarget, DrafterExtensions, set_thread_last_stats, thread_last_stats
 from .target_checks import check_row_independent, lm_head_weight
 
 CALIBRATION_FILE = "calibration.json"  # the STS temperatures next to the weights (dspark_hf.decoding.calibration)
 
 
-@dataclass
-class DrafterExtensions:
-    """What the installed ``dspark_hf`` plugs into the drafter (set by ``dspark_hf/__init__.py``).
-
-    This module and its siblings are exactly the remote code a drafter's Hub repo ships for
-    ``trust_remote_code``: torch and transformers only. The rest of the package (calibration, CPU kernels,
-    foreign checkpoint formats) lives in higher layers and attaches here; without them the drafter still
-    loads, runs its forward and drafts (no calibration, stock kernels).
-
-    Attributes:
-        check_path: ``(name_or_path, what)`` -> None; raises at once for a missing local folder.
-        load_calibration: ``(file)`` -> the calibration object of ``calibration.json`` (``.save(dir)``, ``.temperatures``).
-        pack_rows: ``(lm_head, rows, weight)`` -> a packed kernel for the shared lm_head rows (``.linear(x, rows)``) or None.
-        import_checkpoint: ``(name_or_path, config_dict, hub_kwargs)`` -> a drafter converted from another
-            checkpoint format, or None when ``config_dict`` is this package's format.
-    """
-
-    check_path: Callable[[Any, str], None] | None = None
-    load_calibration: Callable[[str], Any] | None = None
-    pack_rows: Callable[[nn.Module, torch.Tensor, torch.Tensor], Any] | None = None
-    import_checkpoint: Callable[[Any, dict, dict], Any] | None = None
-
-
-EXTENSIONS = DrafterExtensions()
+EXTENSIONS = DrafterExtensions()  # filled by dspark_hf.wire
 
 
 class DSparkDrafter(PreTrainedModel):
@@ -73,13 +50,14 @@ class DSparkDrafter(PreTrainedModel):
     base_model_prefix = "dspark"
     main_input_name = "context_features"
     _no_split_modules = ["DSparkLayer"]
+    bound: BoundTarget | None = None  # set by bind()
+    sps_curve: Any = None  # the target's SPS curve (an SPSCurve) the scheduled modes read; set_sps_curve()
 
     def __init__(self, config: DSparkConfig):
         config.check_mask_token()  # v2: the mask slots' token (a config alone may leave it unset)
         _wire_package()  # the first drafter of a process routes generate (dspark_hf.wire), however it was imported
         super().__init__(config)
         self.calibration = None  # STS of the confidences, §3.2.1 (dspark_hf.decoding.calibration)
-        self.last_stats = None  # per-round statistics of the last generate() call
         d, r = config.hidden_size, config.sequential_rank
         vocab = config.draft_vocab_size or config.vocab_size
         v2 = config.dspark_version >= 2
@@ -164,19 +142,29 @@ class DSparkDrafter(PreTrainedModel):
         if self.calibration is not None:
             self.calibration.save(save_directory)
 
-    @property
-    def sps_curve(self):
-        """The target's SPS curve the scheduler uses: set by :meth:`set_sps_curve`, or profiled (and
-        cached on disk) by the first ``generate`` call in ``scheduler`` or ``async`` mode; ``None`` before that."""
-        return self.__dict__.get("_sps_curve")
-
     def set_sps_curve(self, curve):
-        """Use ``curve`` (an :class:`~dspark_hf.decoding.sps.SPSCurve`) instead of profiling."""
-        self.__dict__["_sps_curve"] = curve
+        """Use ``curve`` (an :class:`~dspark_hf.decoding.sps.SPSCurve`) as the target's SPS curve: what the scheduled
+        modes (``scheduler``, ``async``) and prompt lookup read. ``generate`` resolves a missing one before decoding
+        (:func:`~dspark_hf.decoding.candidate_generator.prepare_call`)."""
+        self.sps_curve = curve
+
+    @property
+    def last_stats(self):
+        """The statistics of the last ``generate`` call with this drafter IN THE CALLING THREAD (a
+        :class:`~dspark_hf.decoding.stats.GenerationStats`, a ``BatchStats`` for a batch, ``None`` before any):
+        per thread (``threading.local``), so threads or server workers sharing one drafter each read their own
+        call's; a thread that has run none (``generate`` in a worker, read after ``join``) reads the latest call's.
+        A convenience: each call's own object is also ``output.dspark_stats`` with ``return_dict_in_generate=True``.
+        Set when a call starts and filled per round; setting ``None`` forgets this thread's."""
+        return thread_last_stats(self)
+
+    @last_stats.setter
+    def last_stats(self, stats):
+        set_thread_last_stats(self, stats)
 
     @property
     def is_bound(self) -> bool:
-        return "_shared" in self.__dict__
+        return self.bound is not None
 
     def bind(self, target) -> "DSparkDrafter":
         """Attach ``target``'s frozen embedding and lm_head (referenced, not copied or saved).
@@ -194,7 +182,7 @@ class DSparkDrafter(PreTrainedModel):
             UserWarning: the target's name differs from ``config.target_name_or_path``.
         """
         self.vocab_index = self._vocab_index()  # derived buffer: not in the checkpoint
-        if self.__dict__.get("_bound_target") is target:
+        if self.bound is not None and self.bound.model is target:
             return self
         tc = target.config.get_text_config()
         head, embed = target.get_output_embeddings(), target.get_input_embeddings()
@@ -216,8 +204,7 @@ class DSparkDrafter(PreTrainedModel):
             self.to(device=weight.device, dtype=weight.dtype)
             rows = weight if self.draft_vocab.numel() == weight.shape[0] else weight[self.draft_vocab]
             packed = EXTENSIONS.pack_rows(head, rows, weight) if EXTENSIONS.pack_rows is not None else None  # CPU kernels
-        self.__dict__["_shared"] = (embed, rows.detach(), packed)
-        self.__dict__["_bound_target"] = target  # last: a failed bind leaves the drafter unbound
+        self.bound = BoundTarget(model=target, embed=embed, rows=rows.detach(), packed=packed)  # last: a failed bind leaves it unbound
         return self
 
     def _require_bound(self):
@@ -227,12 +214,12 @@ class DSparkDrafter(PreTrainedModel):
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """Target token ids ``[...]`` -> the target's (frozen) input embeddings ``[..., d]``."""
         self._require_bound()
-        return self.__dict__["_shared"][0](ids)
+        return self.bound.embed(ids)
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``U_k``: drafter states ``[..., d]`` -> draft-vocabulary logits ``[..., V']`` (frozen lm_head rows)."""
         self._require_bound()
-        _, rows, packed = self.__dict__["_shared"]
+        rows, packed = self.bound.rows, self.bound.packed
         return hidden @ rows.T if packed is None else packed.linear(hidden, rows)
 
     # --------------------------------------------------------------------------------- backbone
