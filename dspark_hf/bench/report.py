@@ -215,10 +215,14 @@ def write_plots(result: BenchResult, raw: dict, out_dir: Path, drafters: dict) -
     Returns:
         The file names written, in order.
     """
-    from ..decoding.calibration import reliability_diagram
+    written = _plot_conditional_acceptance(result, out_dir) + _plot_confidence(result, raw, out_dir, drafters)
+    written += [_plot_sps_curve(result, out_dir), _plot_speedups(result, out_dir)]
+    return [Path(p).name for p in written]
 
-    written, gamma = [], result.settings.gamma
-    positions = list(range(1, gamma + 1))
+
+def _plot_conditional_acceptance(result: BenchResult, out_dir: Path) -> list[str]:
+    """One PNG per suite: conditional acceptance per position, greedy and sampled (paper Fig. 2)."""
+    written, positions = [], list(range(1, result.settings.gamma + 1))
     for suite in result.suites:  # paper Fig. 2
         fig = _figure()
         ax = fig.add_subplot()
@@ -231,6 +235,14 @@ def write_plots(result: BenchResult, raw: dict, out_dir: Path, drafters: dict) -
                xticks=positions)
         ax.legend(fontsize="x-small")
         written.append(_save(fig, out_dir / f"conditional_acceptance_{suite}.png"))
+    return written
+
+
+def _plot_confidence(result: BenchResult, raw: dict, out_dir: Path, drafters: dict) -> list[str]:
+    """Per drafter: the static threshold sweep (paper Fig. 5) and the reliability diagram of its calibration."""
+    from ..decoding.calibration import reliability_diagram
+
+    written, gamma = [], result.settings.gamma
     for name, entry in result.confidence.items():  # paper Fig. 5
         panels = [s for s in [*result.suites, "all"] if entry.suites[s].threshold_sweep]
         if not panels:
@@ -256,6 +268,11 @@ def write_plots(result: BenchResult, raw: dict, out_dir: Path, drafters: dict) -
         if drafter is not None and confs:
             written.append(str(reliability_diagram(torch.tensor(confs, dtype=torch.float64), torch.tensor(accepted),
                                                    drafter.calibration, out_dir / f"reliability_{name}.png")))
+    return written
+
+
+def _plot_sps_curve(result: BenchResult, out_dir: Path) -> str:
+    """The target's verification cost (ms per step of B tokens), one line per context length."""
     fig = _figure()
     ax = fig.add_subplot()
     sps = result.sps
@@ -263,7 +280,11 @@ def write_plots(result: BenchResult, raw: dict, out_dir: Path, drafters: dict) -
         ax.plot(range(1, len(ms) + 1), ms, marker="o", markersize=3, label=f"context {context}")
     ax.set(title="target verification cost", xlabel="tokens verified B", ylabel="ms per step", ylim=(0, None))
     ax.legend(fontsize="x-small")
-    written.append(_save(fig, out_dir / "sps_curve.png"))
+    return _save(fig, out_dir / "sps_curve.png")
+
+
+def _plot_speedups(result: BenchResult, out_dir: Path) -> str:
+    """Median per-prompt greedy speedup over plain ``generate``, per method and suite."""
     suites, methods = list(result.wall_clock.suites), result.wall_clock.methods
     fig = _figure(width=max(5.0, 0.6 * len(methods) * len(suites)))
     ax = fig.add_subplot()
@@ -275,8 +296,7 @@ def write_plots(result: BenchResult, raw: dict, out_dir: Path, drafters: dict) -
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(methods))], methods, rotation=30, ha="right", fontsize="small")
     ax.set(ylabel="median per-prompt speedup", title="greedy wall clock vs plain generate")
     ax.legend(fontsize="x-small")
-    written.append(_save(fig, out_dir / "wall_clock_speedup.png"))
-    return [Path(p).name for p in written]
+    return _save(fig, out_dir / "wall_clock_speedup.png")
 
 
 def _save(fig, path: Path) -> str:
