@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # module -> the tests that guard it (kept small so the whole check runs in minutes on one thread)
 MODULES = {
-    "metrics": ("dspark_hf/metrics.py", ["tests/test_metrics.py"]),
+    "metrics": ("dspark_hf/metrics.py", ["tests/test_metrics.py", "tests/test_calibration.py"]),  # hand examples there
     "scheduler": ("dspark_hf/decoding/scheduler.py", ["tests/test_scheduler.py"]),
     "calibration": ("dspark_hf/decoding/calibration.py", ["tests/test_calibration.py"]),
 }
@@ -125,13 +125,14 @@ def mutants(source: str) -> list[tuple[Mutant, str]]:
     return out
 
 
-def _run_tests(scratch: Path, tests: list[str], timeout: float) -> str:
+def _run_tests(scratch: Path, tests: list[str], timeout: float, quiet: bool = True) -> str:
     """Run ``tests`` in a forked child (fresh ``dspark_hf`` import); ``"passed"``, ``"failed"`` or ``"timeout"``."""
     pid = os.fork()
     if pid == 0:  # child
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 1)
-        os.dup2(devnull, 2)
+        if quiet:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
         signal.alarm(int(timeout))
         import pytest
 
@@ -151,6 +152,7 @@ def _scratch_copy() -> Path:
     if (ROOT / "dspark_hf" / "drafters").exists():
         (scratch / "dspark_hf" / "drafters").symlink_to(ROOT / "dspark_hf" / "drafters")
     shutil.copytree(ROOT / "tests", scratch / "tests", ignore=ignore)
+    shutil.copytree(ROOT / "metrics", scratch / "metrics", ignore=ignore)  # the `evaluate` modules test_metrics loads
     shutil.copy(ROOT / "pyproject.toml", scratch / "pyproject.toml")
     return scratch
 
@@ -183,7 +185,7 @@ def main(argv=None) -> int:
             target = scratch / rel
             source = target.read_text()
             start = time.perf_counter()
-            if _run_tests(scratch, tests, args.timeout) != "passed":
+            if _run_tests(scratch, tests, args.timeout, quiet=False) != "passed":
                 raise SystemExit(f"{name}: the unmutated tests do not pass; fix them first.")
             rows = []
             for m, text in mutants(source):
