@@ -180,11 +180,14 @@ def test_reliability_diagram_lays_out_four_panels_a_row(fitted, tmp_path, monkey
     c5, sts5 = torch.cat([c, c[:, :1]], 1)[:100], SequentialTemperatureScaling([*sts.temperatures, 1.0])
     panels = []
     draw = calibration._reliability_panel
-    monkeypatch.setattr(calibration, "_reliability_panel", lambda ax, title, *rest: (panels.append((title, rest[-1])),
-                                                                                       draw(ax, title, *rest)))
+    monkeypatch.setattr(calibration, "_reliability_panel", lambda ax, title, before, *rest: (
+        panels.append((title, before, rest[-1])), draw(ax, title, before, *rest)))
     out = reliability_diagram(c5, accepted[:100], sts5, tmp_path / "five.png")
     assert _png_size(out) == (4 * 384, 2 * 384)  # 3.2 in a panel at 120 dpi; γ = 5 panels in 2 rows of 4
-    assert panels == [(f"position {k}", 15) for k in range(1, 6)]  # 15 bins by default
+    assert [(title, bins) for title, _, bins in panels] == [(f"position {k}", 15) for k in range(1, 6)]  # 15 by default
+    survival = torch.cumprod(c5, 1)  # (N, 5)
+    for k, (_, before, _) in enumerate(panels):
+        torch.testing.assert_close(before, survival[:, k : k + 1])  # position k + 1's raw a_k, (N, 1)
     assert _png_size(reliability_diagram(c[:50], accepted[:50], sts, tmp_path / "pooled.png", pooled=True)) == (384, 384)
 
 
@@ -203,6 +206,7 @@ def test_scale_temperature_identity_and_extremes():
         (lambda sts: sts.fit(torch.rand(3, 2), torch.tensor([0.0, 1.0, 2.0])), "integer"),
         (lambda sts: sts.fit(torch.rand(3), torch.tensor([0, 1, 1])), r"\(N, γ\)"),
         (lambda sts: sts.fit(torch.rand(3, 2), torch.tensor([0, 1, 1]), grid=[]), "grid"),
+        (lambda sts: sts.fit(torch.rand(3, 2), torch.tensor([0, 1, 1]), grid=[0.0, 1.0]), "grid"),
         (lambda sts: expected_calibration_error(torch.tensor([]), torch.tensor([])), "empty"),
         (lambda sts: expected_calibration_error(torch.tensor([1.5]), torch.tensor([1])), r"\[0, 1\]"),
         (lambda sts: roc_auc(PROBS, torch.tensor([0, 2, 1, 0])), "0/1"),
