@@ -102,7 +102,7 @@ def test_default_grid_is_geometric_from_a_tenth_to_ten():
 def test_fit_picks_the_grid_temperature_of_least_ece_left_to_right():
     """The STS search against a plain loop over the grid (paper §3.2.1): T[k] minimises the ECE of
     a'[k] = a'[k-1] · sigmoid(logit(c[k]) / T) with T[1..k-1] already chosen; ties go to the first entry."""
-    c, accepted = synthetic_rounds(n=400, gamma=3, seed=4)
+    c, accepted = synthetic_rounds(n=400, gamma=3, seed=3)
     grid = [0.5, 1.0, 2.0, 3.0, 4.0]
     labels = (accepted[:, None] >= torch.arange(1, 4)).long()
     survival, expected = torch.ones(400, dtype=torch.float64), []
@@ -161,7 +161,7 @@ def test_reliability_panel_draws_the_bin_means_and_the_diagonal():
     ax = _Axes()
     calibration._reliability_panel(ax, "position 1", raw, sts, y, 4)
     (_, diagonal, style), (_, raw_xy, raw_kw), (_, sts_xy, sts_kw), (_, _, axes), _ = ax.calls
-    assert diagonal == ([0, 1], [0, 1]) and style["linestyle"] == ":"
+    assert diagonal == ([0, 1], [0, 1]) and style == {"color": "grey", "linestyle": ":", "linewidth": 1}
     assert [v for t in raw_xy for v in t.tolist()] == pytest.approx([0.15, 0.9, 0.5, 1.0])  # x then y
     assert [v for t in sts_xy for v in t.tolist()] == pytest.approx([0.3, 0.6, 0.5, 1.0])
     # ECE = 2/3 · |0.15 - 0.5| + 1/3 · |0.9 - 1| = 0.2667 and 2/3 · 0.2 + 1/3 · 0.4 = 0.2667
