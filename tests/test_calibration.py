@@ -6,7 +6,9 @@ import math
 import pytest
 import torch
 
+from dspark_hf.decoding import calibration
 from dspark_hf.decoding.calibration import (
+    DEFAULT_GRID,
     OnlineCorrection,
     SequentialTemperatureScaling,
     reliability_diagram,
@@ -89,6 +91,104 @@ def test_reliability_diagram_writes_png(fitted, tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_default_grid_is_geometric_from_a_tenth_to_ten():
+    assert len(DEFAULT_GRID) == 201 and DEFAULT_GRID[100] == 1.0
+    assert DEFAULT_GRID[0] == pytest.approx(0.1, rel=1e-12) and DEFAULT_GRID[-1] == pytest.approx(10.0, rel=1e-12)
+    assert DEFAULT_GRID[1] / DEFAULT_GRID[0] == pytest.approx(10 ** 0.01, rel=1e-12)
+
+
+def test_fit_picks_the_grid_temperature_of_least_ece_left_to_right():
+    """The STS search against a plain loop over the grid (paper §3.2.1): T[k] minimises the ECE of
+    a'[k] = a'[k-1] · sigmoid(logit(c[k]) / T) with T[1..k-1] already chosen; ties go to the first entry."""
+    c, accepted = synthetic_rounds(n=400, gamma=3, seed=3)
+    grid = [0.5, 1.0, 2.0, 3.0, 4.0]
+    labels = (accepted[:, None] >= torch.arange(1, 4)).long()
+    survival, expected = torch.ones(400, dtype=torch.float64), []
+    for k in range(3):
+        eces = [expected_calibration_error(survival * torch.sigmoid(torch.logit(c[:, k]) / t), labels[:, k], 15)
+                for t in grid]
+        best = min(range(len(grid)), key=lambda i: (eces[i], i))
+        expected.append(grid[best])
+        survival = survival * torch.sigmoid(torch.logit(c[:, k]) / grid[best])
+    assert len(set(expected)) > 1  # the positions do not all pick one temperature
+    assert SequentialTemperatureScaling().fit(c, accepted, grid=grid).temperatures == expected
+
+
+def test_apply_converts_integers_and_covers_one_position(fitted):
+    sts = fitted[0]
+    out = sts.apply(torch.tensor([1, 0]))  # integer probabilities become float64; 0 and 1 stay put
+    assert out.dtype == torch.float64 and out.tolist() == [1.0, 0.0]
+    c = torch.tensor([[0.3], [0.7]], dtype=torch.float64)
+    torch.testing.assert_close(sts.apply(c), scale_temperature(c, sts.temperatures[0]))  # γ = 1
+    with pytest.raises(ValueError, match="γ = 0"):
+        sts.apply(torch.tensor(0.5))
+
+
+def test_report_by_hand():
+    # T = 1: calibrated = raw. n = 2, 0, 1; conditional rounds: all 3 for k = 1, the two with n >= 1 for k = 2
+    c = torch.tensor([[0.8, 0.5], [0.6, 1.0], [0.3, 0.9]], dtype=torch.float64)
+    report = SequentialTemperatureScaling([1.0, 1.0]).report(c, torch.tensor([2, 0, 1]))
+    assert report["n_rounds"] == 3 and report["mean_ece_before"] == report["mean_ece_after"]
+    positions = report["positions"]
+    assert [p["position"] for p in positions] == [1, 2] and [p["temperature"] for p in positions] == [1.0, 1.0]
+    assert [p["n_conditional"] for p in positions] == [3, 2]
+    assert [p["survival_rate"] for p in positions] == pytest.approx([2 / 3, 1 / 3])
+    # k = 1: positives 0.8, 0.3 vs negative 0.6 -> 1 of 2 pairs; k = 2: positive 0.5 vs negative 0.9 -> 0
+    assert [p["roc_auc"] for p in positions] == [0.5, 0.0]
+
+
+def test_saved_json_is_indented_by_two(fitted, tmp_path):
+    text = fitted[0].save(tmp_path / "c.json").read_text()
+    assert text.startswith('{\n  "format_version": 1,\n  "temperatures": [\n    ') and text.endswith("}\n")
+
+
+class _Axes:
+    """Records the drawing calls of one matplotlib Axes."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: self.calls.append((name, args, kwargs))
+
+
+def test_reliability_panel_draws_the_bin_means_and_the_diagonal():
+    # 4 bins: raw 0.1, 0.2 | 0.9 (bins 1 and 2 empty, not drawn); STS 0.3, 0.3 | 0.6
+    y = torch.tensor([0.0, 1.0, 1.0], dtype=torch.float64)
+    raw, sts = torch.tensor([[0.1], [0.2], [0.9]], dtype=torch.float64), torch.tensor([[0.3], [0.3], [0.6]], dtype=torch.float64)
+    ax = _Axes()
+    calibration._reliability_panel(ax, "position 1", raw, sts, y, 4)
+    (_, diagonal, style), (_, raw_xy, raw_kw), (_, sts_xy, sts_kw), (_, _, axes), _ = ax.calls
+    assert diagonal == ([0, 1], [0, 1]) and style == {"color": "grey", "linestyle": ":", "linewidth": 1}
+    assert [v for t in raw_xy for v in t.tolist()] == pytest.approx([0.15, 0.9, 0.5, 1.0])  # x then y
+    assert [v for t in sts_xy for v in t.tolist()] == pytest.approx([0.3, 0.6, 0.5, 1.0])
+    # ECE = 2/3 · |0.15 - 0.5| + 1/3 · |0.9 - 1| = 0.2667 and 2/3 · 0.2 + 1/3 · 0.4 = 0.2667
+    assert raw_kw == {"marker": "o", "markersize": 3, "label": "raw (ECE 26.7%)"}
+    assert sts_kw["label"] == "STS (ECE 26.7%)"
+    assert axes["xlim"] == (0, 1) and axes["ylim"] == (0, 1) and axes["title"] == "position 1"
+
+
+def _png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_reliability_diagram_lays_out_four_panels_a_row(fitted, tmp_path, monkeypatch):
+    sts, c, accepted = fitted
+    c5, sts5 = torch.cat([c, c[:, :1]], 1)[:100], SequentialTemperatureScaling([*sts.temperatures, 1.0])
+    panels = []
+    draw = calibration._reliability_panel
+    monkeypatch.setattr(calibration, "_reliability_panel", lambda ax, title, before, *rest: (
+        panels.append((title, before, rest[-1])), draw(ax, title, before, *rest)))
+    out = reliability_diagram(c5, accepted[:100], sts5, tmp_path / "five.png")
+    assert _png_size(out) == (4 * 384, 2 * 384)  # 3.2 in a panel at 120 dpi; γ = 5 panels in 2 rows of 4
+    assert [(title, bins) for title, _, bins in panels] == [(f"position {k}", 15) for k in range(1, 6)]  # 15 by default
+    survival = torch.cumprod(c5, 1)  # (N, 5)
+    for k, (_, before, _) in enumerate(panels):
+        torch.testing.assert_close(before, survival[:, k : k + 1])  # position k + 1's raw a_k, (N, 1)
+    assert _png_size(reliability_diagram(c[:50], accepted[:50], sts, tmp_path / "pooled.png", pooled=True)) == (384, 384)
+
+
 def test_scale_temperature_identity_and_extremes():
     c = torch.tensor([0.0, 0.2, 0.9, 1.0], dtype=torch.float64)
     torch.testing.assert_close(scale_temperature(c, 1.0), c)
@@ -104,6 +204,7 @@ def test_scale_temperature_identity_and_extremes():
         (lambda sts: sts.fit(torch.rand(3, 2), torch.tensor([0.0, 1.0, 2.0])), "integer"),
         (lambda sts: sts.fit(torch.rand(3), torch.tensor([0, 1, 1])), r"\(N, γ\)"),
         (lambda sts: sts.fit(torch.rand(3, 2), torch.tensor([0, 1, 1]), grid=[]), "grid"),
+        (lambda sts: sts.fit(torch.rand(3, 2), torch.tensor([0, 1, 1]), grid=[0.0, 1.0]), "grid"),
         (lambda sts: expected_calibration_error(torch.tensor([]), torch.tensor([])), "empty"),
         (lambda sts: expected_calibration_error(torch.tensor([1.5]), torch.tensor([1])), r"\[0, 1\]"),
         (lambda sts: roc_auc(PROBS, torch.tensor([0, 2, 1, 0])), "0/1"),
@@ -129,6 +230,9 @@ def test_online_correction_matches_the_means_of_the_verified_drafts():
         correction.observe([0.5, 0.5], 3)
     with pytest.raises(ValueError, match="prior must be > 0"):
         OnlineCorrection(prior=0)
+    small = OnlineCorrection(prior=0.5)  # any positive pseudo-count is allowed
+    small.observe([0.5], 1)
+    assert small.factor == pytest.approx(1.5 / 1.0)
 
 
 def test_failing_drafts_halve_the_estimates_within_a_few_rounds():

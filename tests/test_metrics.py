@@ -4,6 +4,7 @@ cross-checks, and the `evaluate` modules under evaluate_metrics/ loaded offline 
 `evaluate` and scikit-learn are test-only extras (`pip install -e '.[dev]'`); without them these tests skip.
 """
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -15,12 +16,75 @@ from test_calibration import synthetic_rounds
 from dspark_hf import SequentialTemperatureScaling
 from dspark_hf.bench import runner as bench
 from dspark_hf.decoding.stats import full_rounds
-from dspark_hf.metrics import brier_score, expected_calibration_error, prefix_survival_metrics, roc_auc
+from dspark_hf.metrics import (
+    brier_score,
+    conditional_acceptance,
+    conditional_mask,
+    expected_calibration_error,
+    prefix_survival_metrics,
+    roc_auc,
+    survival_labels,
+    tau,
+)
 
 METRICS = Path(__file__).resolve().parent.parent / "evaluate_metrics"
 GAMMA = 4
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ------------------------------------------------------------------------------- hand values
+def test_tau_and_conditional_acceptance_by_hand():
+    assert tau([0, 3, 7]) == pytest.approx(13 / 3) and tau([]) is None
+    # n = 0, 2, 2, 1: 3 of 4 rounds reach n >= 1, 2 of those 3 reach n >= 2, no round reaches 3
+    assert conditional_acceptance([0, 2, 2, 1], 3) == pytest.approx([3 / 4, 2 / 3, 0.0])
+    assert conditional_acceptance([0, 0], 2) == [0.0, None]  # position 2: no round reached it
+
+
+def test_survival_labels_and_conditional_mask_by_hand():
+    accepted = torch.tensor([0, 1, 2])
+    assert survival_labels(accepted, 2).tolist() == [[0, 0], [1, 0], [1, 1]]  # 1[n >= k]
+    assert conditional_mask(accepted, 2).tolist() == [[True, False], [True, True], [True, True]]  # n >= k - 1
+
+
+def test_default_bins_are_fifteen():
+    # 0.0 and 0.064 share bin [0, 1/15) but not [0, 1/16): one bin gives |0.032 - 0.5|, two give (0.064 + 1) / 2
+    probs, labels = torch.tensor([0.064, 0.0], dtype=torch.float64), torch.tensor([0, 1])
+    assert expected_calibration_error(probs, labels) == pytest.approx(0.468, abs=1e-12)
+    assert expected_calibration_error(probs, labels, 16) == pytest.approx(0.532, abs=1e-12)
+    assert prefix_survival_metrics(probs[:, None], torch.tensor([0, 1]))["ece"] == pytest.approx(0.468, abs=1e-12)
+
+
+def test_single_sample_and_single_class():
+    assert expected_calibration_error(torch.tensor([0.3]), torch.tensor([1])) == pytest.approx(0.7)
+    assert math.isnan(roc_auc(torch.tensor([0.3]), torch.tensor([1])))  # one class: undefined, not an error
+    assert roc_auc(torch.tensor([0.9, 0.2, 0.4]), torch.tensor([1, 0, 0])) == 1.0  # one positive is enough
+
+
+def test_prefix_survival_metrics_by_hand():
+    # a = cumprod(c) = [[0.8, 0.4, 0.2], [0.6, 0.6, 0.3]]; labels 1[n >= k] with n = 2, 0: [[1, 1, 0], [0, 0, 0]]
+    c = torch.tensor([[0.8, 0.5, 0.5], [0.6, 1.0, 0.5]], dtype=torch.float64)
+    result = prefix_survival_metrics(c, torch.tensor([2, 0]), n_bins=1)  # one bin: ECE = |mean a - mean y|
+    assert [p["position"] for p in result["positions"]] == [1, 2, 3]
+    assert [p["survival_rate"] for p in result["positions"]] == [0.5, 0.5, 0.0]
+    assert [p["ece"] for p in result["positions"]] == pytest.approx([0.2, 0.0, 0.25], abs=1e-12)
+    assert [p["brier"] for p in result["positions"]] == pytest.approx([0.2, 0.36, 0.065], abs=1e-12)
+    assert [p["roc_auc"] for p in result["positions"]] == [1.0, 0.0, None]  # position 3: no survivor
+    assert result["n_rounds"] == 2 and result["roc_auc"] == 0.5  # mean over the positions where it is defined
+    assert result["ece"] == pytest.approx(0.45 / 3, abs=1e-12) and result["brier"] == pytest.approx(0.625 / 3, abs=1e-12)
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda: prefix_survival_metrics(torch.rand(3, 2), torch.tensor([True, False, True])), "integer"),
+    (lambda: prefix_survival_metrics(torch.rand(3, 2), torch.tensor([0, 1])), r"shape \(3,\)"),
+    (lambda: prefix_survival_metrics(torch.rand(3, 2), torch.tensor([0, 1, 1]), n_bins=0), "n_bins"),
+    (lambda: roc_auc(torch.rand(2, 2), torch.tensor([0, 1])), r"shape \(N,\)"),
+    (lambda: roc_auc(torch.tensor([]), torch.tensor([])), r"shape \(N,\)"),
+    (lambda: brier_score(torch.tensor([0.5, -0.1]), torch.tensor([0, 1])), r"\[0, 1\]"),
+])
+def test_metric_inputs_are_checked(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
 
 
 # ------------------------------------------------------------------------------- scikit-learn

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dspark_hf.decoding.scheduler import (
+    expected_throughputs,
     prefix_survival,
     schedule_batch,
     schedule_global,
@@ -65,6 +66,19 @@ def test_length_limited_by_sps_table():
     assert schedule_batch([[1.0] * 5, [1.0] * 5], [1.0] * 4) == [2, 0]
 
 
+def test_expected_throughputs_by_hand():
+    # a = 0.5, 0.25: Θ(0) = 1 · 1.0, Θ(1) = 1.5 · 0.8, Θ(2) = 1.75 · 0.6 (τ counts the bonus token: 1 + Σ a)
+    assert expected_throughputs([0.5, 0.5], [1.0, 0.8, 0.6]) == pytest.approx([1.0, 1.2, 1.05], abs=1e-12)
+    assert expected_throughputs([0.5, 0.5], [2.0, 1.0]) == pytest.approx([2.0, 1.5], abs=1e-12)  # ℓ <= len(sps) - 1
+
+
+def test_a_tie_is_not_an_improvement():
+    # Θ(1) = (1 + 0.5) · 1.0 = 1.5 = Θ(0) = 1 · 1.5 exactly: Algorithm 1 admits only a strict gain
+    assert schedule_prefix([0.5], [1.5, 1.0]) == 0
+    assert schedule_batch([[0.5]], [1.5, 1.0]) == [0]
+    assert schedule_batch([[0.5]], [1.5, 1.0], early_stop=False) == [0]
+
+
 def test_accepts_tensors():
     assert schedule_prefix(torch.tensor([0.9, 0.6, 0.2]), WORKED_SPS) == schedule_prefix([0.9, 0.6, 0.2], WORKED_SPS)
 
@@ -81,7 +95,8 @@ def test_single_request_batch_equals_schedule_prefix(c, sps):
 
 @pytest.mark.parametrize(
     ("c", "threshold", "expected"),
-    [([0.9, 0.6, 0.2], 0.5, 2), ([0.9, 0.6, 0.2], 0.95, 0), ([0.9, 0.6, 0.2], 0.0, 3), ([0.4, 0.9], 0.4, 2)],
+    [([0.9, 0.6, 0.2], 0.5, 2), ([0.9, 0.6, 0.2], 0.95, 0), ([0.9, 0.6, 0.2], 0.0, 3), ([0.4, 0.9], 0.4, 2),
+     ([1.0, 0.9], 1.0, 1)],  # threshold 1 is a valid probability: only certain drafts pass
 )
 def test_threshold_prefix(c, threshold, expected):
     assert threshold_prefix(c, threshold) == expected

@@ -10,19 +10,11 @@ import torch
 
 from ..decoding.stats import full_rounds
 from ..evaluation.bench_result import BenchResult, as_bench_result
-from ..evaluation.tables import markdown_table
-
-
-def _fmt(value, digits=2) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
+from ..evaluation.tables import format_number, markdown_table
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
-    return markdown_table(headers, rows, lambda v: v if isinstance(v, str) else _fmt(v))
+    return markdown_table(headers, rows, lambda v: v if isinstance(v, str) else format_number(v, 2))
 
 
 def _sources(counts: dict | None) -> str:
@@ -46,8 +38,16 @@ def _own_baseline_note(name: str, summary) -> str:
 def markdown_report(result: BenchResult | dict) -> str:
     """The tables of ``benchmarks.md`` (a dict is read as ``benchmarks.json``, :meth:`BenchResult.from_json`)."""
     result = as_bench_result(result)
+    out = _header_section(result) + _tau_section(result) + _conditional_section(result) + _confidence_section(result)
+    out += _wall_clock_section(result) + _cost_section(result)
+    if result.plots:
+        out += ["## Plots", ""] + [f"![{p}]({p})" for p in result.plots] + [""]
+    return "\n".join(out)
+
+
+def _header_section(result: BenchResult) -> list[str]:
+    """Title, command, machine and settings lines, and the run's notes."""
     m, s = result.machine, result.settings
-    suites = list(result.suites)
     out = [
         "# dspark bench",
         "",
@@ -63,26 +63,40 @@ def markdown_report(result: BenchResult | dict) -> str:
     ]
     if result.notes:
         out += ["**Notes**", ""] + [f"- {n}" for n in result.notes] + [""]
-    out += ["## τ (accepted length per round, bonus included; fixed-length verification)", ""]
+    return out
+
+
+def _tau_section(result: BenchResult) -> list[str]:
+    """τ per drafter and suite, greedy and sampled, and the macro τ ratio dspark / dflash."""
+    suites, s = list(result.suites), result.settings
+    out = ["## τ (accepted length per round, bonus included; fixed-length verification)", ""]
     for key, label in (("greedy", "greedy"), ("t1", f"T = {s.sampling_temperature}")):
         rows = [[name, *(row[x] for x in suites), row["macro"]] for name, row in result.tau[key].items()]
         out += [f"**{label}**", "", _table(["drafter", *suites, "macro"], rows), ""]
     ratios = result.tau_ratios
-    out += [f"macro τ(dspark) / macro τ(dflash): greedy {_fmt(ratios.get('greedy'), 3)}, "
-            f"T = 1 {_fmt(ratios.get('t1'), 3)}", ""]
+    return out + [f"macro τ(dspark) / macro τ(dflash): greedy {format_number(ratios.get('greedy'), 3)}, "
+                  f"T = 1 {format_number(ratios.get('t1'), 3)}", ""]
 
-    out += ["## Position-wise conditional acceptance P(n ≥ k | n ≥ k−1)", "",
-            "Fixed rounds that verified all γ drafts (the last round of each generation dropped); – where no "
-            "round reached position k−1.", ""]
-    for suite in suites:
+
+def _conditional_section(result: BenchResult) -> list[str]:
+    """Position-wise conditional acceptance per suite (paper Fig. 2)."""
+    out = ["## Position-wise conditional acceptance P(n ≥ k | n ≥ k−1)", "",
+           "Fixed rounds that verified all γ drafts (the last round of each generation dropped); – where no "
+           "round reached position k−1.", ""]
+    for suite in result.suites:
         rows = [[f"{name} ({key})", *vals] for key in ("greedy", "t1")
                 for name, vals in result.conditional_acceptance[key][suite].items()]
-        out += [f"**{suite}**", "", _table(["drafter", *(f"k={k}" for k in range(1, s.gamma + 1))], rows), ""]
+        header = ["drafter", *(f"k={k}" for k in range(1, result.settings.gamma + 1))]
+        out += [f"**{suite}**", "", _table(header, rows), ""]
+    return out
 
-    out += ["## Confidence (greedy fixed rounds)", "",
-            "ECE of the prefix survival probability a_k = c_1···c_k against 1[n ≥ k] over all rounds (every round "
-            "has a label at every position; deep positions, with a_k and the survival rate near 0, have a small "
-            "ECE); ROC-AUC of c_k on the rounds that reached k (n ≥ k−1), – where one class is absent.", ""]
+
+def _confidence_section(result: BenchResult) -> list[str]:
+    """Calibration per drafter (ECE before / after STS, ROC-AUC) and the static threshold sweeps."""
+    out = ["## Confidence (greedy fixed rounds)", "",
+           "ECE of the prefix survival probability a_k = c_1···c_k against 1[n ≥ k] over all rounds (every round "
+           "has a label at every position; deep positions, with a_k and the survival rate near 0, have a small "
+           "ECE); ROC-AUC of c_k on the rounds that reached k (n ≥ k−1), – where one class is absent.", ""]
     for name, entry in result.confidence.items():
         cal = entry.suites["all"].calibration
         if cal is None:
@@ -90,23 +104,33 @@ def markdown_report(result: BenchResult | dict) -> str:
             continue
         out += [f"**{name}** ({cal.rounds} rounds, all suites): mean ECE of a_k {100 * cal.mean_ece_before:.1f}% "
                 f"before STS → {100 * cal.mean_ece_after:.1f}% after; best static threshold by modelled "
-                f"tokens/s (SPS curve + median draft cost): t = {_fmt(entry.best_threshold, 1)}", ""]
+                f"tokens/s (SPS curve + median draft cost): t = {format_number(entry.best_threshold, 1)}", ""]
         rows = [[p.position, p.survival_rate, 100 * p.ece_before, 100 * p.ece_after, p.roc_auc, p.n_conditional]
                 for p in cal.positions]
         out += [_table(["k", "survival", "ECE before %", "ECE after %", "ROC-AUC", "n (n ≥ k−1)"], rows), ""]
-        panels = [x for x in [*suites, "all"] if entry.suites[x].threshold_sweep]
-        if panels:
-            sweeps = [entry.suites[x].threshold_sweep for x in panels]
-            rows = [[_fmt(sweeps[0][i].threshold, 1),
-                     *(f"{_fmt(sw[i].accepted_per_step)} / {_fmt(sw[i].rejected_per_step)} / "
-                       f"{_fmt(100 * sw[i].acceptance_rate, 1)}%" for sw in sweeps),
-                     sweeps[-1][i].modelled_tokens_per_s] for i in range(len(sweeps[0]))]
-            out += ["Static threshold sweep (accepted incl. bonus / rejected per step / acceptance rate):", "",
-                    _table(["t", *panels, "modelled tok/s (all)"], rows), ""]
+        out += _sweep_table(result, entry)
+    return out
 
+
+def _sweep_table(result: BenchResult, entry) -> list[str]:
+    """One drafter's static threshold sweep, one column per suite with a sweep (and "all")."""
+    panels = [x for x in [*result.suites, "all"] if entry.suites[x].threshold_sweep]
+    if not panels:
+        return []
+    sweeps = [entry.suites[x].threshold_sweep for x in panels]
+    rows = [[format_number(sweeps[0][i].threshold, 1),
+             *(f"{format_number(sw[i].accepted_per_step, 2)} / {format_number(sw[i].rejected_per_step, 2)} / "
+               f"{format_number(100 * sw[i].acceptance_rate, 1)}%" for sw in sweeps),
+             sweeps[-1][i].modelled_tokens_per_s] for i in range(len(sweeps[0]))]
+    return ["Static threshold sweep (accepted incl. bonus / rejected per step / acceptance rate):", "",
+            _table(["t", *panels, "modelled tok/s (all)"], rows), ""]
+
+
+def _wall_clock_section(result: BenchResult) -> list[str]:
+    """Greedy wall clock per suite and method, the worst prompts, and the built-in dflash status."""
     wall = result.wall_clock
-    out += ["## Wall clock (greedy; methods interleaved per prompt)", "",
-            f"Greedy outputs differing from plain `generate`: **{wall.mismatches_total}**", ""]
+    out = ["## Wall clock (greedy; methods interleaved per prompt)", "",
+           f"Greedy outputs differing from plain `generate`: **{wall.mismatches_total}**", ""]
     for suite, per_method in wall.suites.items():
         rows = [[name, v.median_tokens_per_s, v.median_speedup, v.min_speedup, v.speedup_of_medians, v.tau,
                  _sources(v.token_sources), v.mismatches] for name, v in per_method.items()]
@@ -116,9 +140,12 @@ def markdown_report(result: BenchResult | dict) -> str:
         out += [_own_baseline_note(name, v) for name, v in per_method.items() if name.endswith(":threshold")]
     out += _worst_prompts(wall)
     b = result.builtin_dflash
-    out += [f"Built-in `speculation_type=\"dflash\"`: {b.status}. {b.note}", ""]
+    return out + [f"Built-in `speculation_type=\"dflash\"`: {b.status}. {b.note}", ""]
 
-    out += ["## Cost per round and SPS curve", ""]
+
+def _cost_section(result: BenchResult) -> list[str]:
+    """Cost per round, the floor table and the SPS curve per context length."""
+    out = ["## Cost per round and SPS curve", ""]
     rows = [[name, v.rounds, v.median_draft_ms, v.median_verify_ms, v.mean_scheduled]
             for name, v in result.round_cost.items()]
     out += [_table(["method", "rounds", "median draft ms", "median verify ms", "mean ℓ"], rows), ""]
@@ -127,12 +154,9 @@ def markdown_report(result: BenchResult | dict) -> str:
     shown = [b for b in (1, 2, 4, 8, 16, 32) if b <= len(sps.ms_per_step)]
     by_context = sps.ms_per_step_by_context or {str(sps.context_len): sps.ms_per_step}
     rows = [[f"ctx {c}", *(ms[b - 1] for b in shown), ms[shown[-1] - 1] / ms[0]] for c, ms in by_context.items()]
-    out += [f"SPS curve ({sps.device_name}), ms per verification step of B tokens, one row per context length "
-            "(as the schedulers read it at the end of the run):", "",
-            _table(["context", *(f"B={b}" for b in shown), f"B={shown[-1]} / B=1"], rows), ""]
-    if result.plots:
-        out += ["## Plots", ""] + [f"![{p}]({p})" for p in result.plots] + [""]
-    return "\n".join(out)
+    return out + [f"SPS curve ({sps.device_name}), ms per verification step of B tokens, one row per context "
+                  "length (as the schedulers read it at the end of the run):", "",
+                  _table(["context", *(f"B={b}" for b in shown), f"B={shown[-1]} / B=1"], rows), ""]
 
 
 def _worst_prompts(wall) -> list[str]:
@@ -191,10 +215,14 @@ def write_plots(result: BenchResult, raw: dict, out_dir: Path, drafters: dict) -
     Returns:
         The file names written, in order.
     """
-    from ..decoding.calibration import reliability_diagram
+    written = _plot_conditional_acceptance(result, out_dir) + _plot_confidence(result, raw, out_dir, drafters)
+    written += [_plot_sps_curve(result, out_dir), _plot_speedups(result, out_dir)]
+    return [Path(p).name for p in written]
 
-    written, gamma = [], result.settings.gamma
-    positions = list(range(1, gamma + 1))
+
+def _plot_conditional_acceptance(result: BenchResult, out_dir: Path) -> list[str]:
+    """One PNG per suite: conditional acceptance per position, greedy and sampled (paper Fig. 2)."""
+    written, positions = [], list(range(1, result.settings.gamma + 1))
     for suite in result.suites:  # paper Fig. 2
         fig = _figure()
         ax = fig.add_subplot()
@@ -207,6 +235,14 @@ def write_plots(result: BenchResult, raw: dict, out_dir: Path, drafters: dict) -
                xticks=positions)
         ax.legend(fontsize="x-small")
         written.append(_save(fig, out_dir / f"conditional_acceptance_{suite}.png"))
+    return written
+
+
+def _plot_confidence(result: BenchResult, raw: dict, out_dir: Path, drafters: dict) -> list[str]:
+    """Per drafter: the static threshold sweep (paper Fig. 5) and the reliability diagram of its calibration."""
+    from ..decoding.calibration import reliability_diagram
+
+    written, gamma = [], result.settings.gamma
     for name, entry in result.confidence.items():  # paper Fig. 5
         panels = [s for s in [*result.suites, "all"] if entry.suites[s].threshold_sweep]
         if not panels:
@@ -232,6 +268,11 @@ def write_plots(result: BenchResult, raw: dict, out_dir: Path, drafters: dict) -
         if drafter is not None and confs:
             written.append(str(reliability_diagram(torch.tensor(confs, dtype=torch.float64), torch.tensor(accepted),
                                                    drafter.calibration, out_dir / f"reliability_{name}.png")))
+    return written
+
+
+def _plot_sps_curve(result: BenchResult, out_dir: Path) -> str:
+    """The target's verification cost (ms per step of B tokens), one line per context length."""
     fig = _figure()
     ax = fig.add_subplot()
     sps = result.sps
@@ -239,7 +280,11 @@ def write_plots(result: BenchResult, raw: dict, out_dir: Path, drafters: dict) -
         ax.plot(range(1, len(ms) + 1), ms, marker="o", markersize=3, label=f"context {context}")
     ax.set(title="target verification cost", xlabel="tokens verified B", ylabel="ms per step", ylim=(0, None))
     ax.legend(fontsize="x-small")
-    written.append(_save(fig, out_dir / "sps_curve.png"))
+    return _save(fig, out_dir / "sps_curve.png")
+
+
+def _plot_speedups(result: BenchResult, out_dir: Path) -> str:
+    """Median per-prompt greedy speedup over plain ``generate``, per method and suite."""
     suites, methods = list(result.wall_clock.suites), result.wall_clock.methods
     fig = _figure(width=max(5.0, 0.6 * len(methods) * len(suites)))
     ax = fig.add_subplot()
@@ -251,8 +296,7 @@ def write_plots(result: BenchResult, raw: dict, out_dir: Path, drafters: dict) -
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(methods))], methods, rotation=30, ha="right", fontsize="small")
     ax.set(ylabel="median per-prompt speedup", title="greedy wall clock vs plain generate")
     ax.legend(fontsize="x-small")
-    written.append(_save(fig, out_dir / "wall_clock_speedup.png"))
-    return [Path(p).name for p in written]
+    return _save(fig, out_dir / "wall_clock_speedup.png")
 
 
 def _save(fig, path: Path) -> str:

@@ -346,17 +346,22 @@ def reliability_diagram(
     fig = Figure(figsize=(3.2 * ncols, 3.2 * nrows), layout="constrained")
     FigureCanvasAgg(fig)
     for i, (title, p_before, p_after, y) in enumerate(panels):
-        ax = fig.add_subplot(nrows, ncols, i + 1)
-        ax.plot([0, 1], [0, 1], color="grey", linestyle=":", linewidth=1)
-        for name, probs in (("raw", p_before), ("STS", p_after)):
-            counts, sum_p, sum_y = (t[0] for t in _bin_sums(probs, y, n_bins))
-            seen = counts > 0
-            ece = _ece_columns(probs, y, n_bins).item()
-            ax.plot(sum_p[seen] / counts[seen], sum_y[seen] / counts[seen], marker="o", markersize=3,
-                    label=f"{name} (ECE {100 * ece:.1f}%)")
-        ax.set(title=title, xlim=(0, 1), ylim=(0, 1), xlabel="predicted survival a_k", ylabel="empirical survival")
-        ax.legend(fontsize="small", loc="upper left")
+        _reliability_panel(fig.add_subplot(nrows, ncols, i + 1), title, p_before, p_after, y, n_bins)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png", dpi=120)
     return out
+
+
+def _reliability_panel(ax, title: str, p_before: torch.Tensor, p_after: torch.Tensor, y: torch.Tensor, n_bins: int):
+    """One panel of :func:`reliability_diagram`: mean predicted against empirical survival per non-empty bin, raw
+    and STS (``p_before`` / ``p_after`` float64 ``(N, 1)``, ``y`` float64 ``(N,)``), with the diagonal."""
+    ax.plot([0, 1], [0, 1], color="grey", linestyle=":", linewidth=1)
+    for name, probs in (("raw", p_before), ("STS", p_after)):
+        counts, sum_p, sum_y = (t[0] for t in _bin_sums(probs, y, n_bins))
+        seen = counts > 0
+        ece = _ece_columns(probs, y, n_bins).item()
+        ax.plot(sum_p[seen] / counts[seen], sum_y[seen] / counts[seen], marker="o", markersize=3,
+                label=f"{name} (ECE {100 * ece:.1f}%)")
+    ax.set(title=title, xlim=(0, 1), ylim=(0, 1), xlabel="predicted survival a_k", ylabel="empirical survival")
+    ax.legend(fontsize="small", loc="upper left")

@@ -155,7 +155,7 @@ def build_app(target, tokenizer, drafter, *, title: str = "DSpark speculative de
     import gradio as gr
 
     drafter = drafter.bind(target).eval()
-    modes, mode0 = available_modes(drafter), default_mode(drafter)
+    mode0 = default_mode(drafter)
     stop = threading.Event()  # one model, one generation at a time (concurrency_limit=1)
     note = ""
     if drafter.calibration is None:
@@ -164,9 +164,35 @@ def build_app(target, tokenizer, drafter, *, title: str = "DSpark speculative de
     info = (f"Target **{html.escape(display_name(target))}** · drafter **{html.escape(display_name(drafter))}**"
             f" (γ={drafter.config.block_size}, {drafter.config.sequential_head} head,"
             f" calibration: {'yes' if drafter.calibration is not None else 'no'})")
+    run = _generation_handler(target, tokenizer, drafter, stop, interval)
 
-    plot_title = ("calibrated confidence" if drafter.calibration is not None else "raw confidence") + \
-        " vs acceptance per draft position (rounds reaching k)"
+    def rerender(rendered, show_drafts):
+        return show_ghosts(rendered, show_drafts) if rendered else gr.skip()
+
+    def halt():
+        stop.set()
+
+    with gr.Blocks(title=title, analytics_enabled=False) as app:
+        gr.Markdown(f"## {html.escape(title)}\n{info}")
+        with gr.Row():
+            prompt, go, halt_btn, ghosts, inputs = _controls(drafter, max_new_tokens, mode0)
+            output, baseline, stats, plot, status, counts = _output_column(tokenizer, drafter, note)
+        with gr.Row():  # the whole page width: every column of the per-round table readable
+            rounds = gr.HTML("", elem_id="dspark-rounds")
+        state = gr.State(None)
+        outputs = [output, state, baseline, stats, plot, status, rounds, counts]
+        go.click(run, inputs, outputs, concurrency_limit=1, concurrency_id="generate")
+        prompt.submit(run, inputs, outputs, concurrency_limit=1, concurrency_id="generate")
+        halt_btn.click(halt, None, None, queue=False)
+        ghosts.change(rerender, [state, ghosts], [output], queue=False)
+    return app
+
+
+def _generation_handler(target, tokenizer, drafter, stop: threading.Event, interval: float):
+    """The Generate button's handler: a generator of page updates, DSpark first, then (side by side) plain
+    ``generate``; each update is ``(output, output with ghosts, baseline, stats, plot, status, rounds table,
+    plot counts)``."""
+    import gradio as gr
 
     def run(prompt, max_new, temperature, gamma, mode, threshold, side_by_side, show_drafts, lookup=False):
         """Stream (output, output with ghosts, baseline, stats, plot, status) while generating."""
@@ -213,69 +239,77 @@ def build_app(target, tokenizer, drafter, *, title: str = "DSpark speculative de
         final = done + f" Plain `generate`: {base.new_tokens} tokens in {base.seconds:.2f} s."
         yield frame(result, base, None, final + (f" ❌ {base.error}" if base.error else ""))
 
-    def rerender(rendered, show_drafts):
-        return show_ghosts(rendered, show_drafts) if rendered else gr.skip()
+    return run
 
-    def halt():
-        stop.set()
 
-    with gr.Blocks(title=title, analytics_enabled=False) as app:
-        gr.Markdown(f"## {html.escape(title)}\n{info}")
+def _controls(drafter, max_new_tokens: int, mode0: str) -> tuple:
+    """The left column (inside a ``gr.Row``): prompt, buttons and settings.
+
+    Returns:
+        ``(prompt, generate button, stop button, ghosts checkbox, inputs)``; ``inputs`` in the order of the handler's arguments
+        (prompt, max new, temperature, γ, mode, threshold, side by side, ghosts, lookup).
+    """
+    import gradio as gr
+
+    with gr.Column(scale=1, min_width=300):
+        prompt = gr.Textbox(label="Prompt (sent as one user turn under the chat template)", lines=4,
+                            elem_id="dspark-prompt", value="Explain speculative decoding in two sentences.")
         with gr.Row():
-            with gr.Column(scale=1, min_width=300):
-                prompt = gr.Textbox(label="Prompt (sent as one user turn under the chat template)", lines=4,
-                                    elem_id="dspark-prompt", value="Explain speculative decoding in two sentences.")
-                with gr.Row():
-                    go = gr.Button("Generate", variant="primary", elem_id="dspark-run")
-                    halt_btn = gr.Button("Stop", elem_id="dspark-stop")
-                max_new = gr.Slider(1, 1024, value=max_new_tokens, step=1, label="max new tokens", elem_id="dspark-max-new")
-                temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)",
-                                        elem_id="dspark-temperature")
-                gamma = gr.Slider(1, MAX_BLOCK_SIZE, value=drafter.config.block_size, step=1,
-                                  label="γ (dspark_block_size): drafts per round", info=gamma_limits(drafter),
-                                  elem_id="dspark-gamma")
-                mode = gr.Radio(list(VERIFICATION_MODES), value=mode0, label="verification (dspark_verification)",
-                                info="available with this drafter: " + ", ".join(modes), elem_id="dspark-mode")
-                threshold = gr.Slider(0.0, 1.0, value=drafter.config.confidence_threshold, step=0.01,
-                                      label="threshold (threshold mode: verify while c_k ≥ threshold)",
-                                      elem_id="dspark-threshold")
-                side = gr.Checkbox(value=False, label="side by side: also run plain generate (speedup)",
-                                   elem_id="dspark-side")
-                ghosts = gr.Checkbox(value=True, label="show rejected and unverified drafts", elem_id="dspark-ghosts")
-                lookup = gr.Checkbox(value=lookup_enabled(None, drafter, drafter.config.block_size, mode0),
-                                     label="prompt lookup (dspark_lookup): n-gram drafts from the text",
-                                     elem_id="dspark-lookup")
-                gr.Examples([["Write a haiku about the sea."], ["What is 17 * 23? Think step by step."],
-                             ["Write a Python function that reverses a string."]], inputs=[prompt])
-            with gr.Column(scale=2):
-                gr.HTML(legend_html(), elem_id="dspark-legend")
-                status = gr.Markdown(note, elem_id="dspark-status")
-                stats = gr.HTML(stats_html(None), elem_id="dspark-stats")
-                with gr.Row():
-                    with gr.Column():
-                        gr.Markdown("**DSpark**")
-                        output = gr.HTML(Transcript(tokenizer).render(placeholder="the answer appears here"),
-                                         elem_id="dspark-output")
-                    with gr.Column():
-                        gr.Markdown("**plain `generate`** (side by side)")
-                        baseline = gr.HTML("", elem_id="dspark-baseline")
-                plot = gr.LinePlot(_plot_frame([]), x="position", y="value", color="series", y_lim=[0, 1],
-                                   color_map=PLOT_COLORS,  # fixes the colour domain (the first frame is empty)
-                                   sort=POSITION_ORDER,
-                                   x_title="draft position k", y_title="probability",
-                                   title=plot_title, elem_id="dspark-plot",
-                                   height=260)
-                counts = gr.HTML(curve_counts([]), elem_id="dspark-plot-counts")
-        with gr.Row():  # the whole page width: every column of the per-round table readable
-            rounds = gr.HTML("", elem_id="dspark-rounds")
-        state = gr.State(None)
-        outputs = [output, state, baseline, stats, plot, status, rounds, counts]
-        inputs = [prompt, max_new, temperature, gamma, mode, threshold, side, ghosts, lookup]
-        go.click(run, inputs, outputs, concurrency_limit=1, concurrency_id="generate")
-        prompt.submit(run, inputs, outputs, concurrency_limit=1, concurrency_id="generate")
-        halt_btn.click(halt, None, None, queue=False)
-        ghosts.change(rerender, [state, ghosts], [output], queue=False)
-    return app
+            go = gr.Button("Generate", variant="primary", elem_id="dspark-run")
+            halt_btn = gr.Button("Stop", elem_id="dspark-stop")
+        max_new = gr.Slider(1, 1024, value=max_new_tokens, step=1, label="max new tokens", elem_id="dspark-max-new")
+        temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)",
+                                elem_id="dspark-temperature")
+        gamma = gr.Slider(1, MAX_BLOCK_SIZE, value=drafter.config.block_size, step=1,
+                          label="γ (dspark_block_size): drafts per round", info=gamma_limits(drafter),
+                          elem_id="dspark-gamma")
+        mode = gr.Radio(list(VERIFICATION_MODES), value=mode0, label="verification (dspark_verification)",
+                        info="available with this drafter: " + ", ".join(available_modes(drafter)),
+                        elem_id="dspark-mode")
+        threshold = gr.Slider(0.0, 1.0, value=drafter.config.confidence_threshold, step=0.01,
+                              label="threshold (threshold mode: verify while c_k ≥ threshold)",
+                              elem_id="dspark-threshold")
+        side = gr.Checkbox(value=False, label="side by side: also run plain generate (speedup)",
+                           elem_id="dspark-side")
+        ghosts = gr.Checkbox(value=True, label="show rejected and unverified drafts", elem_id="dspark-ghosts")
+        lookup = gr.Checkbox(value=lookup_enabled(None, drafter, drafter.config.block_size, mode0),
+                             label="prompt lookup (dspark_lookup): n-gram drafts from the text",
+                             elem_id="dspark-lookup")
+        gr.Examples([["Write a haiku about the sea."], ["What is 17 * 23? Think step by step."],
+                     ["Write a Python function that reverses a string."]], inputs=[prompt])
+    return prompt, go, halt_btn, ghosts, [prompt, max_new, temperature, gamma, mode, threshold, side, ghosts, lookup]
+
+
+def _output_column(tokenizer, drafter, note: str) -> tuple:
+    """The right column (inside a ``gr.Row``): legend, status, stats cards, both transcripts, the plot.
+
+    Returns:
+        ``(output, baseline, stats, plot, status, plot counts)``.
+    """
+    import gradio as gr
+
+    plot_title = ("calibrated confidence" if drafter.calibration is not None else "raw confidence") + \
+        " vs acceptance per draft position (rounds reaching k)"
+    with gr.Column(scale=2):
+        gr.HTML(legend_html(), elem_id="dspark-legend")
+        status = gr.Markdown(note, elem_id="dspark-status")
+        stats = gr.HTML(stats_html(None), elem_id="dspark-stats")
+        with gr.Row():
+            with gr.Column():
+                gr.Markdown("**DSpark**")
+                output = gr.HTML(Transcript(tokenizer).render(placeholder="the answer appears here"),
+                                 elem_id="dspark-output")
+            with gr.Column():
+                gr.Markdown("**plain `generate`** (side by side)")
+                baseline = gr.HTML("", elem_id="dspark-baseline")
+        plot = gr.LinePlot(_plot_frame([]), x="position", y="value", color="series", y_lim=[0, 1],
+                           color_map=PLOT_COLORS,  # fixes the colour domain (the first frame is empty)
+                           sort=POSITION_ORDER,
+                           x_title="draft position k", y_title="probability",
+                           title=plot_title, elem_id="dspark-plot",
+                           height=260)
+        counts = gr.HTML(curve_counts([]), elem_id="dspark-plot-counts")
+    return output, baseline, stats, plot, status, counts
 
 
 def _plot_frame(rows: list[dict]):

@@ -1,4 +1,4 @@
-"""The one Markdown table helper of the bench report and the model card."""
+"""The one Markdown table helper and the one number format of the bench report and the model card."""
 
 from __future__ import annotations
 
@@ -10,3 +10,22 @@ def markdown_table(header: Sequence, rows: Sequence[Sequence], cell: Callable[[o
     lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def format_number(value, digits: int | None = None) -> str:
+    """One table cell or inline number of the bench report and the model card.
+
+    Args:
+        value: ``None`` (not measured), a float, or anything else (ints, bools, strings are shown as ``str``).
+        digits: decimals of a float; ``None`` picks them by magnitude: 3 below 1, 2 below 100, 1 from 100 on.
+
+    Returns:
+        ``"–"`` for ``None``, the float rounded to ``digits`` decimals, else ``str(value)``.
+    """
+    if value is None:
+        return "–"
+    if isinstance(value, bool) or not isinstance(value, float):
+        return str(value)
+    if digits is None:
+        digits = 3 if abs(value) < 1 else 2 if abs(value) < 100 else 1
+    return f"{value:.{digits}f}"

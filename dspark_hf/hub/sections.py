@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..evaluation import tables
 from ..evaluation.bench_result import BenchResult, MachineRecord, as_bench_result
+from ..evaluation.tables import format_number
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 CARD_TEMPLATE = TEMPLATES / "model_card.md"
@@ -27,18 +28,9 @@ _REPO_LINE = re.compile(r"^DRAFTER_REPO = .*$", re.MULTILINE)
 _UPLOAD_IGNORE = ["*__pycache__*", "*.pyc", ".*"]
 
 
-def _fmt(value) -> str:
-    """A cell: floats with 3 decimals below 1, 2 below 100, 1 above; ``None`` as a dash."""
-    if value is None:
-        return "–"
-    if isinstance(value, bool) or not isinstance(value, float):
-        return str(value)
-    return f"{value:.{3 if abs(value) < 1 else 2 if abs(value) < 100 else 1}f}"
-
-
 def markdown_table(header: list[str], rows: list[list]) -> str:
-    """A GitHub-flavoured markdown table; cells go through :func:`_fmt`."""
-    return tables.markdown_table(header, rows, _fmt)
+    """A GitHub-flavoured markdown table; cells go through :func:`dspark_hf.evaluation.tables.format_number`."""
+    return tables.markdown_table(header, rows, format_number)
 
 
 def _flatten(value, prefix: str = "") -> dict:
@@ -49,7 +41,7 @@ def _flatten(value, prefix: str = "") -> dict:
             out |= _flatten(v, f"{prefix}/{k}" if prefix else str(k))
         return out
     if isinstance(value, list) and all(not isinstance(v, (dict, list)) for v in value):
-        return {prefix: ", ".join(_fmt(v) for v in value)}
+        return {prefix: ", ".join(format_number(v) for v in value)}
     return {prefix: value}
 
 
@@ -72,7 +64,7 @@ def metric_block(name: str, value) -> str:
     elif isinstance(value, dict):
         rows, first = value, ""
     else:
-        return f"**{name}**: {_fmt(value)}"
+        return f"**{name}**: {format_number(value)}"
     if all(not isinstance(v, dict) for v in rows.values()):
         return markdown_table(["", name], [[k, _flatten(v)[""]] for k, v in rows.items()])
     flat = {k: _flatten(v) for k, v in rows.items()}
@@ -155,7 +147,7 @@ def speed_section(bench: BenchResult | dict | None, compare: dict | None = None)
     meta = []
     machine = bench.get("machine")
     if isinstance(machine, dict):
-        meta.append("Measured on:\n\n" + "\n".join(f"- {k}: {_fmt(v)}" for k, v in machine.items()))
+        meta.append("Measured on:\n\n" + "\n".join(f"- {k}: {format_number(v)}" for k, v in machine.items()))
     else:
         meta.append(f"Measured on: {machine if machine else 'machine not recorded'}.")
     if bench.get("date"):
@@ -179,9 +171,9 @@ def calibration_section(calibration: dict | None, has_diagram: bool = False) -> 
             "\"the first k drafts were accepted\".")
     report = calibration.get("report")
     if not report:
-        return text + "\n\nTemperatures: " + ", ".join(_fmt(float(t)) for t in temps) + f". Fit report: {NOT_MEASURED}"
+        return text + "\n\nTemperatures: " + ", ".join(format_number(float(t)) for t in temps) + f". Fit report: {NOT_MEASURED}"
     text += (f"\n\nFitted on {report.get('n_rounds', '?')} fixed-length rounds: mean ECE "
-             f"{_fmt(report.get('mean_ece_before'))} before → {_fmt(report.get('mean_ece_after'))} after.\n\n")
+             f"{format_number(report.get('mean_ece_before'))} before → {format_number(report.get('mean_ece_after'))} after.\n\n")
     columns = [("position", "k"), ("temperature", "T_k"), ("survival_rate", "survival rate"),
                ("ece_before", "ECE before"), ("ece_after", "ECE after"), ("roc_auc", "ROC-AUC of c_k")]
     text += markdown_table([title for _, title in columns],
@@ -205,7 +197,7 @@ def training_section(training: dict | None) -> str:
                  "each); there the cross-entropy label is the target's top-1 token (`labels: target`).")
     size = ", ".join(f"{k} = {cfg[k]}" for k in ("target_tokens", "max_new_tokens") if k in cfg)
     text = data + (f" ({size})." if size else "")
-    text += f"\n\n{_fmt(training.get('steps'))} optimizer steps in {_fmt(training.get('minutes'))} minutes."
+    text += f"\n\n{format_number(training.get('steps'))} optimizer steps in {format_number(training.get('minutes'))} minutes."
     if cfg.get("init_from"):
         text += f" Warm-started from `{cfg['init_from']}` (its weights; a fresh optimizer and schedule)."
     command = training.get("command") or "dspark train --config CONFIG.yaml"

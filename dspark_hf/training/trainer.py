@@ -17,8 +17,9 @@ import ctypes.util
 import functools
 import json
 import math
+import shutil
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -210,11 +211,49 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
         ValueError: ``sequences_per_step`` is not a multiple of the number of processes, or the target is
             not on this process's device.
     """
+    run = _prepare(target, cfg)
+    step, validated, trained_s = _loop(run, progress)
+    final = run.out / "final"
+    if run.accelerator.is_main_process:
+        _write_final(run, final, step, validated, trained_s, command)
+    run.accelerator.wait_for_everyone()  # the final folder exists for every process that returns it
+    return final
+
+
+@dataclass
+class _Run:
+    """What the phases of one :func:`train` call share (built by :func:`_prepare`)."""
+
+    cfg: TrainConfig
+    accelerator: Accelerator
+    device: torch.device
+    out: Path
+    drafter: DSparkDrafter  # the unwrapped drafter: evaluated and saved
+    model: torch.nn.Module  # `drafter` itself, or its DDP wrapper: trained
+    optimizer: torch.optim.Optimizer
+    params: list[torch.nn.Parameter]
+    generator: torch.Generator  # the batch sampler's, saved in checkpoints
+    batcher: FeatureBatcher
+    val_batches: list[dict]
+    weights: torch.Tensor  # position weights (γ,)
+    step: int  # optimizer steps taken (a resumed run's included)
+    elapsed: float  # seconds trained before this call (a resumed run's)
+    start: float = 0.0  # perf_counter() of the loop's (virtual) start, `elapsed` before it; set by _loop
+
+    def clock(self) -> float:
+        """Seconds since the start by the main process's clock: all processes agree on LR and stop."""
+        now = torch.tensor([time.perf_counter() - self.start], dtype=torch.float64, device=self.device)
+        return float(broadcast(now))
+
+
+def _prepare(target, cfg: TrainConfig) -> _Run:
+    """Phase 1 of :func:`train`: checks, ``out_dir`` and its config, the data, the drafter and optimizer (a
+    checkpoint's, a warm start's or fresh) prepared by accelerate, and the validation batches."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     # the only process, or this one of `accelerate launch`
     accelerator = Accelerator(cpu=target.device.type == "cpu", mixed_precision=cfg.mixed_precision)
-    rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
+    world = accelerator.num_processes
     if cfg.sequences_per_step % world:
         raise ValueError(f"sequences_per_step ({cfg.sequences_per_step}) is the global batch of all {world} processes: "
                          f"make it a multiple of {world}.")
@@ -222,15 +261,17 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
     if target.device != device:
         raise ValueError(f"The target is on {target.device} but this process trains on {device}: move it there first.")
     out = Path(cfg.out_dir)
-    if main:
+    if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         (out / "train_config.yaml").write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
+        recover_checkpoint(out)  # one process repairs an interrupted save before any reads the checkpoint
+    accelerator.wait_for_everyone()
     torch.manual_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
     # the rows stay where the batches are built: memory-mapped on a CPU, in an accelerator's memory
     train_rows, val_rows = (FeatureStore.from_shards(cfg.data_dir, split, device) for split in ("train", "validation"))
-    ckpt = out / "checkpoint"
-    if (ckpt / "state.pt").is_file():
+    ckpt = recover_checkpoint(out)
+    if ckpt is not None:
         drafter = DSparkDrafter.from_pretrained(ckpt).bind(target)
     elif cfg.init_from:
         drafter = warm_start(target, cfg)
@@ -239,73 +280,102 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
     drafter.train()
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    step, elapsed, validated = 0, 0.0, (None, None)
-    if (ckpt / "state.pt").is_file():
+    step, elapsed = 0, 0.0
+    if ckpt is not None:
         state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         generator.set_state(state["generator"])
         step, elapsed = state["step"], state["elapsed"]
     model, optimizer = accelerator.prepare(drafter, optimizer)  # model: `drafter` itself, or its DDP wrapper
-    batcher = FeatureBatcher(train_rows, drafter, cfg.block_size, generator, cfg.labels)
     val_batcher = FeatureBatcher(val_rows, drafter, cfg.block_size, torch.Generator().manual_seed(1), cfg.labels)
     val = val_batcher.usable(cfg.val_sequences)
     val_batches = [val_batcher.pack(val[i : i + 8], cfg.anchors_per_sequence) for i in range(0, len(val), 8)]
-    weights = position_weights(cfg.block_size, cfg.decay)
-    log = (out / "log.jsonl").open("a") if main else None
-    if step == 0 and main:
-        log.write(json.dumps({"step": 0, "validation": evaluate(drafter, val_batches, weights, cfg.loss_weights)}) + "\n")
-    bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=not (progress and main))
-    start = time.perf_counter() - elapsed
+    return _Run(cfg, accelerator, device, out, drafter, model, optimizer, params, generator,
+                FeatureBatcher(train_rows, drafter, cfg.block_size, generator, cfg.labels), val_batches,
+                position_weights(cfg.block_size, cfg.decay), step, elapsed)
 
-    def clock() -> float:  # seconds since the start by the main process's clock: all processes agree on LR and stop
-        return float(broadcast(torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)))
 
-    while step < cfg.steps and (now := clock()) < 60 * cfg.max_minutes:
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(cfg, step, now)
-        batch = batcher.sample(cfg.sequences_per_step, cfg.anchors_per_sequence, rank, world)  # built on `device`
-        loss, parts = train_step(model, batch, weights, cfg.loss_weights)
-        # the loss is a mean over this process's weighted positions (dspark_loss's Σ w): weighted by their share
-        # of the global batch's, DDP's average of the processes' gradients is the one-process gradient
-        total = (weights.to(device) * batch["valid"]).sum()
-        share = world * total / accelerator.reduce(total, "sum")  # 1.0 for one process
-        optimizer.zero_grad(set_to_none=True)
-        accelerator.backward(loss * share)
-        accelerator.clip_grad_norm_(params, cfg.grad_clip)
-        optimizer.step()
-        step += 1
-        # the log's metrics are the global batch's: the processes' share-weighted means
-        loss, parts = accelerator.reduce((loss.detach() * share, {k: v * share for k, v in parts.items()}), "mean")
+def _optimizer_step(run: _Run, now: float) -> tuple[torch.Tensor, dict]:
+    """One optimizer step on this process's share of a global batch; returns the global batch's ``(loss, parts)``."""
+    cfg, accelerator, device = run.cfg, run.accelerator, run.device
+    rank, world = accelerator.process_index, accelerator.num_processes
+    for group in run.optimizer.param_groups:
+        group["lr"] = learning_rate(cfg, run.step, now)
+    batch = run.batcher.sample(cfg.sequences_per_step, cfg.anchors_per_sequence, rank, world)  # built on `device`
+    loss, parts = train_step(run.model, batch, run.weights, cfg.loss_weights)
+    # the loss is a mean over this process's weighted positions (dspark_loss's Σ w): weighted by their share
+    # of the global batch's, DDP's average of the processes' gradients is the one-process gradient
+    total = (run.weights.to(device) * batch["valid"]).sum()
+    share = world * total / accelerator.reduce(total, "sum")  # 1.0 for one process
+    run.optimizer.zero_grad(set_to_none=True)
+    accelerator.backward(loss * share)
+    accelerator.clip_grad_norm_(run.params, cfg.grad_clip)
+    run.optimizer.step()
+    # the log's metrics are the global batch's: the processes' share-weighted means
+    return accelerator.reduce((loss.detach() * share, {k: v * share for k, v in parts.items()}), "mean")
+
+
+def _loop(run: _Run, progress: bool) -> tuple[int, tuple, float]:
+    """Phase 2 of :func:`train`: optimizer steps until ``cfg.steps`` or ``cfg.max_minutes``; the main process logs
+    every step to ``log.jsonl``, validates every ``eval_every`` and checkpoints every ``save_every`` steps.
+
+    Returns:
+        ``(step, (validated_step, validation), trained_s)``: the last validation (``(None, None)`` if none ran in
+        the loop) and the loop's wall time, evaluations and checkpoints included.
+    """
+    cfg, main, validated = run.cfg, run.accelerator.is_main_process, (None, None)
+    log = (run.out / "log.jsonl").open("a") if main else None
+    if run.step == 0 and main:
+        log.write(json.dumps({"step": 0, "validation": evaluate(run.drafter, run.val_batches, run.weights,
+                                                                 cfg.loss_weights)}) + "\n")
+    bar = tqdm(total=cfg.steps, initial=run.step, desc="train", disable=not (progress and main))
+    run.start = time.perf_counter() - run.elapsed
+    while run.step < cfg.steps and (now := run.clock()) < 60 * cfg.max_minutes:
+        loss, parts = _optimizer_step(run, now)
+        run.step += 1
         if not main:  # only the main process logs, evaluates and saves
             continue
         bar.update(1)
         bar.set_postfix({k: f"{float(v):.3f}" for k, v in parts.items() if k not in ("accept", "greedy")}
                         | {"tau": f"{expected_tau(parts['accept']):.2f}"})
-        record = {"step": step, "time_s": time.perf_counter() - start, "loss": float(loss), "lr": optimizer.param_groups[0]["lr"]}
-        record |= {k: float(v) for k, v in parts.items() if k not in ("accept", "greedy")}
-        record |= {"tau_est": expected_tau(parts["accept"]), "greedy_tau": 1.0 + float(parts["greedy"].sum())}
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            record["validation"] = evaluate(drafter, val_batches, weights, cfg.loss_weights)
-            validated = (step, record["validation"])  # the final validation when the loop ends here
+        record = _step_record(run, loss, parts)
+        if run.step % cfg.eval_every == 0 or run.step == cfg.steps:
+            record["validation"] = evaluate(run.drafter, run.val_batches, run.weights, cfg.loss_weights)
+            validated = (run.step, record["validation"])  # the final validation when the loop ends here
         log.write(json.dumps(record) + "\n")
         log.flush()
-        if step % cfg.save_every == 0:
-            _save_checkpoint(drafter, optimizer, generator, step, time.perf_counter() - start, ckpt)
-        if step % TRIM_EVERY == 0:
+        if run.step % cfg.save_every == 0:
+            save_checkpoint(run.drafter, run.optimizer, run.generator, run.step, time.perf_counter() - run.start,
+                            run.out / "checkpoint")
+        if run.step % TRIM_EVERY == 0:
             release_free_memory()
     bar.close()
-    trained_s = time.perf_counter() - start  # the loop's wall time, evaluations and checkpoints included
-    final = out / "final"
-    if main:
-        drafter.save_pretrained(final, max_shard_size=MAX_SHARD_SIZE)
-        validation = validated[1] if validated[0] == step else evaluate(drafter, val_batches, weights, cfg.loss_weights)
-        (final / "training.json").write_text(
-            json.dumps({"command": command, "processes": world, "steps": step, "minutes": (time.perf_counter() - start) / 60,
-                        "positions_per_s": step * positions_per_step(cfg) / max(trained_s, 1e-9), "config": asdict(cfg), "validation": validation,
-                        "curve": run_curve(out / "log.jsonl", cfg, (step, validation))}, indent=2)
-        )
-    accelerator.wait_for_everyone()  # the final folder exists for every process that returns it
-    return final
+    if log is not None:
+        log.close()
+    return run.step, validated, time.perf_counter() - run.start
+
+
+def _step_record(run: _Run, loss: torch.Tensor, parts: dict) -> dict:
+    """The ``log.jsonl`` record of the step just taken (global-batch loss parts, τ estimates, LR, time)."""
+    record = {"step": run.step, "time_s": time.perf_counter() - run.start, "loss": float(loss),
+              "lr": run.optimizer.param_groups[0]["lr"]}
+    record |= {k: float(v) for k, v in parts.items() if k not in ("accept", "greedy")}
+    return record | {"tau_est": expected_tau(parts["accept"]), "greedy_tau": 1.0 + float(parts["greedy"].sum())}
+
+
+def _write_final(run: _Run, final: Path, step: int, validated: tuple, trained_s: float, command: str | None):
+    """Phase 3 of :func:`train` (main process): the final drafter and its ``training.json``."""
+    cfg = run.cfg
+    run.drafter.save_pretrained(final, max_shard_size=MAX_SHARD_SIZE)
+    validation = validated[1] if validated[0] == step else evaluate(run.drafter, run.val_batches, run.weights,
+                                                                    cfg.loss_weights)
+    (final / "training.json").write_text(
+        json.dumps({"command": command, "processes": run.accelerator.num_processes, "steps": step,
+                    "minutes": (time.perf_counter() - run.start) / 60,
+                    "positions_per_s": step * positions_per_step(cfg) / max(trained_s, 1e-9), "config": asdict(cfg),
+                    "validation": validation, "curve": run_curve(run.out / "log.jsonl", cfg, (step, validation))},
+                   indent=2)
+    )
 
 
 def release_free_memory() -> bool:
@@ -326,13 +396,41 @@ def _malloc_trim():
     return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
 
 
-def _save_checkpoint(drafter, optimizer, generator, step, elapsed, ckpt: Path):
-    tmp = ckpt.with_name("checkpoint.partial")
-    drafter.save_pretrained(tmp, max_shard_size=MAX_SHARD_SIZE)
+def save_checkpoint(drafter, optimizer, generator, step: int, elapsed: float, ckpt: Path) -> None:
+    """Write the resumable state to ``ckpt`` atomically: the old checkpoint is never removed before the new one
+    is complete.
+
+    The new one is written to ``<ckpt>.partial`` (drafter shards, then ``state.pt`` last), the old one moved aside
+    to ``<ckpt>.old``, the new one renamed into place, and only then the old one deleted. A crash at any point
+    leaves a complete checkpoint at ``ckpt`` or at ``<ckpt>.old``, which :func:`recover_checkpoint` finds.
+
+    Args:
+        drafter: saved with ``save_pretrained`` (shards of at most :data:`MAX_SHARD_SIZE`).
+        optimizer, generator: their states go to ``state.pt`` with ``step`` and ``elapsed`` (seconds).
+        ckpt: the checkpoint folder (``out_dir/checkpoint``).
+    """
+    partial, old = ckpt.with_name(ckpt.name + ".partial"), ckpt.with_name(ckpt.name + ".old")
+    shutil.rmtree(partial, ignore_errors=True)  # a save that crashed earlier
+    drafter.save_pretrained(partial, max_shard_size=MAX_SHARD_SIZE)
     torch.save({"optimizer": optimizer.state_dict(), "generator": generator.get_state(), "step": step,
-                "elapsed": elapsed}, tmp / "state.pt")
-    if ckpt.exists():
-        for f in ckpt.iterdir():
-            f.unlink()
-        ckpt.rmdir()
-    tmp.rename(ckpt)
+                "elapsed": elapsed}, partial / "state.pt")  # last: its presence marks a complete checkpoint
+    if (ckpt / "state.pt").is_file():
+        shutil.rmtree(old, ignore_errors=True)
+        ckpt.rename(old)
+    elif ckpt.exists():
+        shutil.rmtree(ckpt)  # an incomplete folder, never a checkpoint
+    partial.rename(ckpt)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_checkpoint(out: Path) -> Path | None:
+    """The complete checkpoint of ``out`` to resume from (``out/checkpoint``), or ``None`` for none.
+
+    A crash between the two renames of :func:`save_checkpoint` leaves the previous checkpoint at
+    ``checkpoint.old`` and no ``checkpoint``: it is moved back. A ``checkpoint.partial`` is never resumed from.
+    """
+    ckpt, old = out / "checkpoint", out / "checkpoint.old"
+    if not (ckpt / "state.pt").is_file() and (old / "state.pt").is_file():
+        shutil.rmtree(ckpt, ignore_errors=True)
+        old.rename(ckpt)
+    return ckpt if (ckpt / "state.pt").is_file() else None
