@@ -10,8 +10,8 @@ was imported, and the ``dspark`` command before running a command. Those are the
 the package (``import dspark_hf.metrics``, ``dspark_hf.decoding.routing`` itself...) patches nothing.
 
 Layers (imports point one way; ``tests/test_layering.py`` checks it):
-``modeling`` ← ``decoding`` ← ``sources`` ← {``training``, ``evaluation``} ← {``bench``, ``hub``, ``demo``}
-← ``cli``, with ``defaults`` (paths and ids) and ``metrics`` (pure maths) below every layer but ``modeling``.
+``modeling`` ← ``runtime`` ← {``decoding``, ``sources``} ← {``training``, ``evaluation``} ← {``bench``, ``hub``,
+``demo``} ← ``cli``, with ``defaults`` (paths and ids) and ``metrics`` (pure maths) below every layer but ``modeling``.
 """
 
 from importlib import import_module
@@ -25,17 +25,17 @@ _PUBLIC = {  # name -> the module that defines it
     "DSparkConfig": "modeling.configuration_dspark",
     "DSparkDrafter": "modeling.modeling_dspark",
     "GenerationStats": "decoding.stats",
-    "NoisySPSWarning": "decoding.sps",
-    "SPSCurve": "decoding.sps",
+    "NoisySPSWarning": "runtime.sps",
+    "SPSCurve": "runtime.sps",
     "SequentialTemperatureScaling": "decoding.calibration",
     "install": "decoding.routing",
-    "load_default_target": "decoding.targets",
-    "load_or_profile_sps": "decoding.profiling",
-    "load_target": "decoding.targets",
-    "pack_rows": "decoding.kernels",
-    "prepack_linears": "decoding.kernels",
-    "profile_sps": "decoding.profiling",
-    "save_sps": "decoding.profiling",
+    "load_default_target": "runtime.targets",
+    "load_or_profile_sps": "runtime.profiling",
+    "load_target": "runtime.targets",
+    "pack_rows": "runtime.kernels",
+    "prepack_linears": "runtime.kernels",
+    "profile_sps": "runtime.profiling",
+    "save_sps": "runtime.profiling",
     "uninstall": "decoding.routing",
     "check_local_path": "defaults",
     "generate_concurrent": "decoding.batch_generate",
@@ -58,11 +58,11 @@ def wire() -> None:
     from transformers import AutoConfig, AutoModel
 
     from .decoding.calibration import SequentialTemperatureScaling
-    from .decoding.kernels import pack_rows
     from .decoding.routing import install
     from .defaults import check_local_path
     from .modeling.configuration_dspark import DSparkConfig
     from .modeling.modeling_dspark import EXTENSIONS, DSparkDrafter
+    from .runtime.kernels import pack_rows
 
     EXTENSIONS.check_path = check_local_path
     EXTENSIONS.load_calibration = SequentialTemperatureScaling.load

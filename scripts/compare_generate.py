@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dspark_hf.bench.settings import BenchSettings
 from dspark_hf.bench.suites import encode_suites, suite_texts
-from dspark_hf.decoding.targets import load_default_target
+from dspark_hf.runtime.targets import load_default_target
 
 
 def held_out_prompts(n: int) -> list[tuple[str, str]]:

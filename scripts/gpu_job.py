@@ -184,7 +184,7 @@ def save_result(name: str, result: dict) -> None:
 
 def load_target():
     """The default target on DEVICE (fp32, as `dspark generate --device`) and its tokenizer."""
-    from dspark_hf.decoding.targets import load_default_target
+    from dspark_hf.runtime.targets import load_default_target
 
     model, tokenizer = load_default_target(prepack=None if DEVICE == "cpu" else False)
     return model.to(DEVICE), tokenizer

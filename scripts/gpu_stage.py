@@ -88,7 +88,7 @@ def queue_and_prompts(out_queue: Path, out_prompts: Path, queue_args: dict) -> t
 
     from dspark_hf.bench.settings import BenchSettings
     from dspark_hf.bench.suites import encode_suites, suite_texts
-    from dspark_hf.decoding.targets import convert_default_target
+    from dspark_hf.runtime.targets import convert_default_target
     from dspark_hf.sources.prompt_queue import sharegpt_queue
     from dspark_hf.training.data import read_tokens
 

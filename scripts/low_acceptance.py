@@ -21,9 +21,9 @@ import torch
 from dspark_hf import DSparkDrafter
 from dspark_hf.bench.settings import BenchSettings
 from dspark_hf.bench.suites import encode_suites, suite_texts
-from dspark_hf.decoding.targets import load_default_target
 from dspark_hf.defaults import default_drafter
 from dspark_hf.evaluation.runs import timed_generate
+from dspark_hf.runtime.targets import load_default_target
 
 
 def main() -> None:

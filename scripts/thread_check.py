@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 import dspark_hf
-from dspark_hf.decoding.profiling import time_verify_step
+from dspark_hf.runtime.profiling import time_verify_step
 
 
 def main():

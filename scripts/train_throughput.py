@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from dspark_hf.decoding.targets import load_target
+from dspark_hf.runtime.targets import load_target
 from dspark_hf.training.config import TrainConfig
 from dspark_hf.training.curve import positions_per_step
 from dspark_hf.training.losses import position_weights

@@ -23,11 +23,11 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from dspark_hf import DSparkDrafter
-from dspark_hf.decoding.kernels import prepack_linears
-from dspark_hf.decoding.kv_cache import generation_cache
-from dspark_hf.decoding.profiling import grow_cache, time_verify_step
-from dspark_hf.decoding.targets import kernels_label, load_default_target
 from dspark_hf.defaults import default_drafter
+from dspark_hf.runtime.kernels import prepack_linears
+from dspark_hf.runtime.kv_cache import generation_cache
+from dspark_hf.runtime.profiling import grow_cache, time_verify_step
+from dspark_hf.runtime.targets import kernels_label, load_default_target
 
 
 def filled_cache(model, ctx: int):

@@ -1,4 +1,4 @@
-"""Grouped-query SDPA (dspark_hf.decoding.attention): the attention maths of a hand-written reference under every
+"""Grouped-query SDPA (dspark_hf.runtime.attention): the attention maths of a hand-written reference under every
 mask kind, transformers' stock ``sdpa`` logits on GQA and non-GQA models with left padding, and DSpark's greedy
 identity on a target switched to it."""
 
@@ -10,8 +10,8 @@ from conftest import cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
 from transformers import DynamicCache
 
 from dspark_hf import SequentialTemperatureScaling
-from dspark_hf.decoding.attention import SDPA_GQA, sdpa_gqa_attention_forward, use_gqa_attention, uses_gqa_attention
-from dspark_hf.decoding.targets import kernels_label, load_target, use_cpu_kernels
+from dspark_hf.runtime.attention import SDPA_GQA, sdpa_gqa_attention_forward, use_gqa_attention, uses_gqa_attention
+from dspark_hf.runtime.targets import kernels_label, load_target, use_cpu_kernels
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

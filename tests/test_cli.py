@@ -46,7 +46,7 @@ def no_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the input was checked")
 
-    monkeypatch.setattr("dspark_hf.decoding.targets.load_target", refuse)
+    monkeypatch.setattr("dspark_hf.runtime.targets.load_target", refuse)
     monkeypatch.setattr("dspark_hf.modeling.modeling_dspark.DSparkDrafter.from_pretrained", refuse)
 
 
@@ -91,7 +91,7 @@ def offline(*args, **kwargs):
 
 def test_hub_id_offline_names_the_option(monkeypatch):
     """A Hub id that is not a folder here, with no network: one line naming the option and what to pass instead."""
-    monkeypatch.setattr("dspark_hf.decoding.targets.load_target", offline)
+    monkeypatch.setattr("dspark_hf.runtime.targets.load_target", offline)
     with pytest.raises(SystemExit, match=r"--target someorg/sometarget: not a folder here, so it was read as a Hub "
                                          r"id, and the Hub cannot be reached \(offline\?\). Pass the path of a local "
                                          r"model folder, or leave out --target"):
@@ -123,7 +123,7 @@ def fake_target(positions: int):
 def test_prompt_longer_than_the_target_is_refused(monkeypatch):
     monkeypatch.setattr(generate, "load_models", lambda args: (fake_target(8192), None, None))
     monkeypatch.setattr(generate, "check_settings", lambda *args: None)  # no drafter here
-    monkeypatch.setattr("dspark_hf.decoding.targets.chat_ids", lambda tokenizer, prompt: list(range(8190)))
+    monkeypatch.setattr("dspark_hf.runtime.targets.chat_ids", lambda tokenizer, prompt: list(range(8190)))
     monkeypatch.setattr("dspark_hf.evaluation.runs.timed_generate", lambda *a, **k: pytest.fail("generate ran"))
     with pytest.raises(SystemExit, match="--max-new-tokens 128 with this 8190-token prompt needs 8318 positions, "
                                          "but the target handles 8192: pass --max-new-tokens 2 or less"):

@@ -1,6 +1,6 @@
 """``torch.compile`` on a target whose linears are oneDNN-prepacked (issue 25).
 
-``load_default_target()`` prepacks every linear (``dspark_hf.decoding.kernels``); inductor cannot lower the packed
+``load_default_target()`` prepacks every linear (``dspark_hf.runtime.kernels``); inductor cannot lower the packed
 op (``mkldnn._linear_pointwise``), so under compilation the packed layers run ``F.linear`` and inductor packs the
 weights its own way. Checked: a compiled prepacked target generates what the eager one does, alone and as the
 verifier of DSpark, and the compiled default target generates.
@@ -13,7 +13,7 @@ from test_generation import ready_cycle_drafter
 
 import dspark_hf
 from dspark_hf import prepack_linears
-from dspark_hf.decoding.targets import chat_ids
+from dspark_hf.runtime.targets import chat_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MAX_NEW = 8

@@ -15,7 +15,7 @@ from transformers.generation.streamers import BaseStreamer
 from dspark_hf import ConcurrentDecoder, SequentialTemperatureScaling, generate_concurrent
 from dspark_hf.bench.concurrency import run_concurrency, write
 from dspark_hf.decoding.batch_costs import DraftGate, StepCosts
-from dspark_hf.decoding.ragged import RaggedBatch, RequestKV, ragged_attention, ragged_forward
+from dspark_hf.runtime.ragged import RaggedBatch, RequestKV, ragged_attention, ragged_forward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

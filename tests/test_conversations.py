@@ -3,7 +3,7 @@ conversation's split, appended after the first-turn queue."""
 
 import pytest
 
-from dspark_hf.decoding.targets import chat_ids, load_default_target
+from dspark_hf.runtime.targets import chat_ids, load_default_target
 from dspark_hf.sources import sharegpt
 from dspark_hf.sources.conversations import chat_messages, first_human_turn, first_reply, later_turns
 from dspark_hf.sources.prompt_queue import reply_ids, sharegpt_queue

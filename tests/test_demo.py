@@ -23,7 +23,6 @@ from transformers import PreTrainedTokenizerFast
 import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
 from dspark_hf import SequentialTemperatureScaling
 from dspark_hf.decoding.stats import GenerationStats, RoundStats
-from dspark_hf.decoding.targets import chat_ids
 from dspark_hf.demo.app import check_lookup, stream_generation
 from dspark_hf.demo.render import confidence_curve, curve_counts, legend_html, stats_html
 from dspark_hf.demo.transcript import (
@@ -39,6 +38,7 @@ from dspark_hf.demo.transcript import (
     Transcript,
     split_chunk,
 )
+from dspark_hf.runtime.targets import chat_ids
 
 CHROMIUM = os.environ.get("DSPARK_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"

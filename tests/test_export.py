@@ -338,15 +338,15 @@ V1 = "tests/fixtures/v1/dspark-tiny"  # a tiny v1 checkpoint, made by the code b
 @pytest.fixture(scope="module")
 def real_target():
     """Stock fp32 kernels: the references multiply by the lm_head with torch's own matmul."""
-    from dspark_hf.decoding.targets import load_default_target
     from dspark_hf.defaults import default_target_dir
+    from dspark_hf.runtime.targets import load_default_target
 
     model, tokenizer = load_default_target(prepack=False)
     return model, tokenizer, str(default_target_dir())
 
 
 def real_context(model, tokenizer, drafter):
-    from dspark_hf.decoding.targets import chat_ids
+    from dspark_hf.runtime.targets import chat_ids
 
     ids = torch.tensor([chat_ids(tokenizer, "Write a Python function that reverses a string.")])
     with torch.no_grad():

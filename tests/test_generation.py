@@ -549,7 +549,7 @@ def sample_tables(target, prompt, drafter, mode, n, first_rounds=None, **kwargs)
                           ("async", None, False), ("async", None, True)])
 def test_sampling_is_exact(sampling_setup, mode, draft_vocab, prepacked):
     target, prompt, laws = sampling_setup
-    if prepacked:  # oneDNN kernels (dspark_hf.decoding.kernels) for target and drafter: the laws are unchanged
+    if prepacked:  # oneDNN kernels (dspark_hf.runtime.kernels) for target and drafter: the laws are unchanged
         target = prepack_linears(copy.deepcopy(target))
     drafter = sampling_drafter(target, draft_vocab)
     tables, accept_rate, lengths = sample_tables(target, prompt, drafter, mode, N_SAMPLES)

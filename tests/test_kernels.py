@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from conftest import tiny_llama, tiny_sps_curve
 
 from dspark_hf import DSparkConfig, DSparkDrafter
-from dspark_hf.decoding.kernels import (
+from dspark_hf.runtime.kernels import (
     PACKED_ATTR,
     PackedWeight,
     can_prepack,
@@ -16,7 +16,7 @@ from dspark_hf.decoding.kernels import (
     linear_kernels,
     prepack_linears,
 )
-from dspark_hf.decoding.profiling import sps_cache_path
+from dspark_hf.runtime.profiling import sps_cache_path
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

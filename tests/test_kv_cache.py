@@ -9,10 +9,10 @@ import torch
 from conftest import cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
 from transformers import DynamicCache
 
-from dspark_hf.decoding.kv_cache import GrowingCache, GrowingLayer, generation_cache, use_growing_cache
-from dspark_hf.decoding.profiling import grow_cache
 from dspark_hf.modeling.kv_buffer import HEADROOM, KVBuffer
 from dspark_hf.modeling.outputs import DraftContext
+from dspark_hf.runtime.kv_cache import GrowingCache, GrowingLayer, generation_cache, use_growing_cache
+from dspark_hf.runtime.profiling import grow_cache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,7 +1,8 @@
 """The package's layers, made executable: imports point one way (issue 12).
 
-modeling ← decoding ← sources ← {training, evaluation} ← {bench, hub, demo} ← cli, with ``defaults`` (paths and
-ids) and ``metrics`` (pure maths) below every layer but ``modeling``; ``sources`` (ShareGPT, HumanEval, the prompt
+modeling ← runtime ← {decoding, sources} ← {training, evaluation} ← {bench, hub, demo} ← cli, with ``defaults``
+(paths and ids) and ``metrics`` (pure maths) below every layer but ``modeling``; ``runtime`` (target loading, the
+machine, kernels, the KV cache, the SPS curve and its profile) sits under the decoding hot path; ``sources`` (ShareGPT, HumanEval, the prompt
 queue) sits under every reader of data (issue #27); ``dspark_hf/__init__.py`` wires the top. Every import
 counts, lazy ones inside functions included.
 """
@@ -12,8 +13,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dspark_hf"
-LAYER = {"modeling": 0, "defaults": 1, "metrics": 1, "decoding": 2, "sources": 3, "training": 4, "evaluation": 4,
-         "bench": 5, "hub": 5, "demo": 5, "cli": 6}
+LAYER = {"modeling": 0, "defaults": 1, "metrics": 1, "runtime": 2, "decoding": 3, "sources": 3, "training": 4,
+         "evaluation": 4, "bench": 5, "hub": 5, "demo": 5, "cli": 6}
 MAX_LINES = 430  # "no module over ~400 lines"
 # the two places that wire the package (``dspark_hf.wire``, on the first use of a public name) from below it
 WIRING = {"cli/main.py": "the entry point, once a command runs",

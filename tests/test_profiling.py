@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from dspark_hf import SequentialTemperatureScaling
 from dspark_hf.decoding import profiling, sps
-from dspark_hf.decoding.profiling import (
+from dspark_hf.runtime.profiling import (
     load_or_profile_sps,
     plot_sps,
     profile_sps,
@@ -18,13 +18,13 @@ from dspark_hf.decoding.profiling import (
     sps_cache_path,
     time_verify_step,
 )
-from dspark_hf.decoding.sps import NoisySPSWarning, SPSCurve
+from dspark_hf.runtime.sps import NoisySPSWarning, SPSCurve
 
 KW = dict(max_tokens=4, context_len=8, contexts=(), min_repeats=2, max_repeats=2, progress=False)
 
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),  # real timings of a tiny model may be flagged noisy: not tested there
-              pytest.mark.filterwarnings("ignore::dspark_hf.decoding.sps.NoisySPSWarning")]
+              pytest.mark.filterwarnings("ignore::dspark_hf.runtime.sps.NoisySPSWarning")]
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +157,7 @@ def test_a_noisy_curve_that_has_healed_online_stops_warning(target, monkeypatch,
     every size that rounds use was observed HEALED_AFTER (22) times; a size used rarely (< 5 %) does not count."""
     import warnings
 
-    from dspark_hf.decoding.sps import HEALED_AFTER
+    from dspark_hf.runtime.sps import HEALED_AFTER
 
     fake_timer(monkeypatch, lambda b, ctx, i: 50.0 * (1 + 3 * ((i - 1) // 4 % 2)))
     with pytest.warns(NoisySPSWarning):
@@ -341,8 +341,8 @@ def test_one_machine_description_for_the_sps_key_the_bench_and_info(capsys):
     import platform
 
     from dspark_hf.cli import info
-    from dspark_hf.decoding.machine import describe_machine
     from dspark_hf.evaluation.bench_result import MachineRecord
+    from dspark_hf.runtime.machine import describe_machine
 
     m = describe_machine()
     assert profiling.device_name(torch.device("cpu")) == (  # unchanged format: cached curves keep matching

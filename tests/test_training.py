@@ -26,8 +26,8 @@ from transformers.utils.hub import convert_file_size_to_int
 import dspark_hf
 from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling
 from dspark_hf.cli.main import main as cli_main
-from dspark_hf.decoding.targets import chat_ids, load_default_target
 from dspark_hf.modeling.configuration_dspark import spread_layer_ids
+from dspark_hf.runtime.targets import chat_ids, load_default_target
 from dspark_hf.sources.prompt_queue import reply_ids
 from dspark_hf.training import trainer as training
 from dspark_hf.training.config import TrainConfig

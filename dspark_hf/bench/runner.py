@@ -327,7 +327,7 @@ def run_bench(target, drafters: dict, suites: dict, settings: BenchSettings, sps
         ``(result, raw)``: the :class:`~dspark_hf.evaluation.bench_result.BenchResult` (non-finite floats ``None``,
         as ``benchmarks.json`` holds them) and the raw records the plots need.
     """
-    from ..decoding.profiling import load_or_profile_sps
+    from ..runtime.profiling import load_or_profile_sps
 
     notes = list(notes or [])
     start = time.perf_counter()
@@ -385,7 +385,7 @@ def _run_passes(target, drafters: dict, suites: dict, settings: BenchSettings, s
 def _bench_result(target, suites: dict, settings: BenchSettings, sps, passes: dict, command: str, notes: list[str],
                   drafters: dict[str, DrafterRecord], runtime_s: float) -> BenchResult:
     """The typed :class:`BenchResult` of :func:`run_bench`'s passes (:func:`_run_passes`)."""
-    from ..decoding.targets import kernels_label
+    from ..runtime.targets import kernels_label
     from ..sources import categories
 
     mismatches, ratios = passes["mismatches"], passes["ratios"]

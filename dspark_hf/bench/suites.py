@@ -110,7 +110,7 @@ def encode_suites(tokenizer, texts: dict[str, list[tuple[str, str]]], limit: int
     Returns:
         ``({suite: [(id, ids), ...]}, {suite: n_skipped_too_long})``.
     """
-    from ..decoding.targets import chat_ids
+    from ..runtime.targets import chat_ids
 
     suites, skipped = {}, {}
     for name, pairs in texts.items():

@@ -94,8 +94,8 @@ def check_prompt_fits(prompt_length: int, max_new_tokens: int, target) -> None:
 
 def load_cli_target(args):
     """``(target, tokenizer)`` for ``--target`` on ``--device``; on the CPU with this package's kernels
-    (:func:`~dspark_hf.decoding.targets.use_cpu_kernels`) unless ``--stock-kernels``."""
-    from ..decoding.targets import load_target
+    (:func:`~dspark_hf.runtime.targets.use_cpu_kernels`) unless ``--stock-kernels``."""
+    from ..runtime.targets import load_target
 
     check_location(args.target, "--target", "target")
     device = getattr(args, "device", "cpu")
@@ -139,6 +139,6 @@ def add_command(sub, name, run, help, drafter=False, kernels=False, compute=Fals
         p.add_argument("--device", default="cpu", help="device of the target and drafter, e.g. cuda (default cpu)")
         p.add_argument("--stock-kernels", action="store_true",
                        help="run the target on transformers' stock CPU kernels (linears, SDPA attention, DynamicCache) "
-                            "instead of this package's (dspark_hf.decoding.targets.use_cpu_kernels: oneDNN prepacked "
+                            "instead of this package's (dspark_hf.runtime.targets.use_cpu_kernels: oneDNN prepacked "
                             "linears, grouped-query SDPA, an O(new tokens) KV cache)")
     return p

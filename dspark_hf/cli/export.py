@@ -18,7 +18,7 @@ def run(args):
     if args.format == "speculators" and drafter.config.draft_vocab_size:  # stores the target's lm_head rows
         from transformers import AutoModelForCausalLM
 
-        from ..decoding.targets import load_default_target
+        from ..runtime.targets import load_default_target
 
         target = load_default_target(prepack=False)[0] if args.target is None else AutoModelForCausalLM.from_pretrained(args.target)
         drafter.bind(target)

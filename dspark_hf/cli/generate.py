@@ -16,8 +16,8 @@ HELP = "generate with DSpark speculative decoding (--compare: also plain generat
 def run(args):
     from transformers import TextStreamer
 
-    from ..decoding.targets import chat_ids
     from ..evaluation.runs import timed_generate
+    from ..runtime.targets import chat_ids
 
     target, tokenizer, drafter = load_models(args)
     check_settings(drafter, args.verify, args.gamma, args.lookup)
@@ -36,7 +36,7 @@ def run(args):
     except ValueError as err:
         sys.exit(f"dspark generate: {err}")
     if drafter.sps_curve is not None and drafter.sps_curve.observations:  # keep what this run taught the curve
-        from ..decoding.profiling import save_sps
+        from ..runtime.profiling import save_sps
 
         save_sps(drafter.sps_curve, target)
     result = {

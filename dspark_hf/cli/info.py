@@ -12,8 +12,8 @@ HELP = "versions, default target and drafter, cache paths"
 
 
 def run(args):
-    from ..decoding.machine import describe_machine
     from ..defaults import DEFAULT_TARGET_NAME, __version__, cache_root, default_target_dir, default_target_gguf
+    from ..runtime.machine import describe_machine
 
     try:
         gguf = str(default_target_gguf())

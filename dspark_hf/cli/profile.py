@@ -19,8 +19,8 @@ def default_max_tokens() -> int:
 
 
 def run(args):
-    from ..decoding.profiling import load_or_profile_sps, plot_sps, profile_sps, sps_cache_path
-    from ..decoding.sps import DEFAULT_CONTEXTS
+    from ..runtime.profiling import load_or_profile_sps, plot_sps, profile_sps, sps_cache_path
+    from ..runtime.sps import DEFAULT_CONTEXTS
 
     target, _ = load_cli_target(args)
     contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else DEFAULT_CONTEXTS

@@ -20,8 +20,8 @@ HELP = ("regenerate data with the target and train a drafter (on a GPU where the
 def run(args):
     from accelerate import PartialState
 
-    from ..decoding.targets import load_target
     from ..modeling.configuration_dspark import spread_layer_ids
+    from ..runtime.targets import load_target
     from ..training.config import TrainConfig
     from ..training.data import prepare_data
     from ..training.trainer import train

@@ -4,7 +4,7 @@ made from it before anything is drafted (issue 24; paper §3.2.2's Θ = τ · SP
     step time(B, R, drafts) = 1 / SPS(B) + overhead(R) + [drafts] · draft(R)
 
 * ``1 / SPS(B)``: the target verifying ``B = Σ_r (1 + ℓ_r)`` tokens in one forward
-  (:class:`~dspark_hf.decoding.sps.SPSCurve`, profiled to ``R·(γ+1)`` tokens and refined online by the engine's
+  (:class:`~dspark_hf.runtime.sps.SPSCurve`, profiled to ``R·(γ+1)`` tokens and refined online by the engine's
   own forwards; cached on disk as the one-request curve is);
 * ``overhead(R)``: the rest of a step (host bookkeeping, acceptance, KV rollback), learnt online per ``R``;
 * ``draft(R)``: the drafter's one pass for ``R`` requests, learnt online per ``R`` (interpolated between the ``R``

@@ -34,10 +34,10 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..modeling.configuration_dspark import MAX_BLOCK_SIZE, VERIFICATION_MODES
 from ..modeling.modeling_dspark import DSparkDrafter
+from ..runtime.kernels import is_prepacked, prepack_linears
+from ..runtime.profiling import ensure_sps_curve
 from .calibration import OnlineCorrection
-from .kernels import is_prepacked, prepack_linears
 from .lookup import LookupDrafting, lookup_enabled, one_hot_logits
-from .profiling import ensure_sps_curve
 from .settings import call_block_size
 from .stats import GenerationStats, RoundStats, publish_stats
 from .verification import POLICIES, unmet_need
@@ -120,7 +120,7 @@ def prepare_call(target, drafter: DSparkDrafter, generation_config) -> CallSetti
 
     The curve is the drafter's own when it covers γ + 1 verified tokens (``drafter.set_sps_curve``), else the
     stored profile of this target on this machine, else one measured now (about 25 s on a CPU, then stored:
-    :func:`~dspark_hf.decoding.profiling.ensure_sps_curve`). To choose when that happens (e.g. at server start),
+    :func:`~dspark_hf.runtime.profiling.ensure_sps_curve`). To choose when that happens (e.g. at server start),
     run ``dspark profile`` or ``drafter.set_sps_curve(dspark_hf.load_or_profile_sps(target))`` beforehand.
 
     Raises:

@@ -8,7 +8,7 @@ Each step (:meth:`ConcurrentDecoder.step`):
 3. the verification mode picks ``ℓ_1 .. ℓ_R``: ``scheduler`` / ``async`` run Algorithm 1 across the requests
    (:func:`~dspark_hf.decoding.scheduler.schedule_batch`, the ``async`` mode as the §5.2 global search on
    confidences no draft of its block depends on), ``fixed`` verifies ``γ_r``, ``threshold`` the confident prefix;
-4. one target forward verifies ``B = Σ_r (1 + ℓ_r)`` tokens, no padding (:mod:`dspark_hf.decoding.ragged`);
+4. one target forward verifies ``B = Σ_r (1 + ℓ_r)`` tokens, no padding (:mod:`dspark_hf.runtime.ragged`);
 5. per request: acceptance (:func:`~dspark_hf.decoding.verification.accept_drafts`, greedy or exact speculative
    sampling), token budget / EOS / stop check, KV rollback to the accepted length, the accepted positions' target
    features kept for the drafter's context. A finished request leaves the batch and its caches are freed.
@@ -30,10 +30,10 @@ import torch
 
 from ..modeling.modeling_dspark import DSparkDrafter
 from ..modeling.outputs import DraftBlock
+from ..runtime.kernels import is_prepacked, prepack_linears
+from ..runtime.profiling import load_or_profile_sps
+from ..runtime.ragged import RaggedBatch, RequestKV, ragged_attention, ragged_forward
 from .batch_costs import DraftGate, StepCosts
-from .kernels import is_prepacked, prepack_linears
-from .profiling import load_or_profile_sps
-from .ragged import RaggedBatch, RequestKV, ragged_attention, ragged_forward
 from .scheduler import schedule_batch
 from .stats import BatchStats, GenerationStats, RoundStats, StepStats
 from .verification import POLICIES, accept_drafts, unmet_need
@@ -89,7 +89,7 @@ class ConcurrentDecoder:
     """The concurrent decoding core: requests are added at any time, :meth:`step` advances all of them.
 
     Args:
-        target: a causal LM whose attention is ``sdpa`` / ``eager`` (run as :data:`~dspark_hf.decoding.ragged.RAGGED`
+        target: a causal LM whose attention is ``sdpa`` / ``eager`` (run as :data:`~dspark_hf.runtime.ragged.RAGGED`
             inside :meth:`running`).
         drafter: a :class:`DSparkDrafter`, or ``None`` for plain batched decoding through the same loop.
         block_size / verification / threshold: γ, the verification mode, the ``threshold`` mode's threshold
@@ -105,7 +105,7 @@ class ConcurrentDecoder:
         max_requests: ``R``, the most requests in flight at once (:meth:`add` refuses more); the scheduled modes'
             SPS curve is profiled up to ``R·(γ+1)`` tokens (at most :data:`MAX_PROFILED_TOKENS`).
         sps: the SPS curve the scheduled modes read (default: the drafter's when it covers those tokens, else
-            :func:`~dspark_hf.decoding.profiling.load_or_profile_sps`, at :meth:`running`'s start).
+            :func:`~dspark_hf.runtime.profiling.load_or_profile_sps`, at :meth:`running`'s start).
 
     Raises:
         ValueError: an unknown mode, a mode the drafter cannot run (no confidence head, no calibration covering
@@ -196,7 +196,7 @@ class ConcurrentDecoder:
 
     def running(self):
         """Context manager: the target runs ragged attention inside it
-        (:func:`~dspark_hf.decoding.ragged.ragged_attention`); call :meth:`step` within it. The scheduled modes' SPS
+        (:func:`~dspark_hf.runtime.ragged.ragged_attention`); call :meth:`step` within it. The scheduled modes' SPS
         curve is loaded (or profiled) first, with the target's own attention."""
         if self.drafter is not None and POLICIES[self.mode].needs_calibration and self.costs is None:
             needed = min(self.max_requests * (self.block_size + 1), MAX_PROFILED_TOKENS)

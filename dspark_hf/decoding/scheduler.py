@@ -7,7 +7,7 @@ Implements DSpark (paper §3.2.2, Algorithm 1). Symbols follow the paper:
 - ``ℓ``: number of draft tokens sent for verification (0..γ); the target verifies ``B = 1 + ℓ`` tokens
   per request (the ``+1`` is the last accepted / bonus token that is always fed).
 - ``SPS(B)``: measured target steps per second when verifying ``B`` tokens at once
-  (see :mod:`dspark_hf.decoding.profiling`). Passed as a sequence ``sps`` with ``sps[B - 1] = SPS(B)``.
+  (see :mod:`dspark_hf.runtime.profiling`). Passed as a sequence ``sps`` with ``sps[B - 1] = SPS(B)``.
 - ``Θ = τ · SPS(B)``: expected accepted tokens per second, ``τ`` = expected tokens per step.
 
 All functions here are pure and run on the host: tensors are read with ``.tolist()``, which is a

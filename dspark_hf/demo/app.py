@@ -19,9 +19,9 @@ from pathlib import Path
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from ..decoding.lookup import lookup_enabled
-from ..decoding.targets import chat_ids
 from ..decoding.verification import runnable_modes, unmet_need
 from ..modeling.configuration_dspark import MAX_BLOCK_SIZE, VERIFICATION_MODES
+from ..runtime.targets import chat_ids
 from .render import PLOT_COLORS, POSITION_ORDER, confidence_curve, curve_counts, gamma_limits, legend_html, stats_html
 from .transcript import RoundStreamer, StopOnEvent, Transcript, show_ghosts
 
@@ -139,7 +139,7 @@ def build_app(target, tokenizer, drafter, *, title: str = "DSpark speculative de
 
     Args:
         target: a HF causal LM (the verifier), in eval mode.
-        tokenizer: its tokenizer; prompts go through its chat template (:func:`dspark_hf.decoding.targets.chat_ids`).
+        tokenizer: its tokenizer; prompts go through its chat template (:func:`dspark_hf.runtime.targets.chat_ids`).
         drafter: a :class:`~dspark_hf.DSparkDrafter` for ``target`` (bound here).
         title: page heading.
         max_new_tokens: initial value of the max-new-tokens slider.
@@ -332,7 +332,7 @@ def launch(target=None, tokenizer=None, drafter=None, *, port: int | None = None
 
     Args:
         target: a model, a Hub id / folder, or ``None`` for the bundled default target
-            (:func:`~dspark_hf.decoding.targets.load_target`); ``tokenizer`` is required with a model.
+            (:func:`~dspark_hf.runtime.targets.load_target`); ``tokenizer`` is required with a model.
         drafter: a :class:`~dspark_hf.DSparkDrafter`, a folder / Hub id, or ``None`` for the shipped
             one (:func:`~dspark_hf.defaults.default_drafter`).
         port: server port (default ``$GRADIO_SERVER_PORT``, else 7860).
@@ -341,8 +341,8 @@ def launch(target=None, tokenizer=None, drafter=None, *, port: int | None = None
         prevent_thread_lock: return at once, serving from a background thread (tests).
         app_kwargs: passed to :func:`build_app`.
     """
-    from ..decoding.targets import load_target
     from ..modeling.modeling_dspark import DSparkDrafter
+    from ..runtime.targets import load_target
 
     if target is None or isinstance(target, (str, os.PathLike)):
         target, tokenizer = load_target(target)

@@ -36,7 +36,7 @@ __all__ = [
 # ------------------------------------------------------------------------------------------- the run
 @dataclass
 class MachineRecord(Record):
-    """Where the run was measured: :class:`~dspark_hf.decoding.machine.Machine` plus when, how and which kernels.
+    """Where the run was measured: :class:`~dspark_hf.runtime.machine.Machine` plus when, how and which kernels.
 
     Attributes:
         cpu: CPU model; cores: logical CPUs; torch_threads: torch's intra-op threads; cuda: GPU name or ``None``;
@@ -59,10 +59,10 @@ class MachineRecord(Record):
 
     @classmethod
     def current(cls, command: str, linear_kernels: str = "stock", date: str | None = None) -> MachineRecord:
-        """This machine (:func:`~dspark_hf.decoding.machine.describe_machine`), now (UTC) unless ``date`` is given."""
+        """This machine (:func:`~dspark_hf.runtime.machine.describe_machine`), now (UTC) unless ``date`` is given."""
         from datetime import datetime, timezone
 
-        from ..decoding.machine import describe_machine
+        from ..runtime.machine import describe_machine
 
         m = describe_machine()
         return cls(cpu=m.cpu, cores=m.cores, torch_threads=m.torch_threads, cuda=m.cuda, torch=m.torch,
@@ -275,7 +275,7 @@ class SPSRecord(Record):
 
     @classmethod
     def from_curve(cls, sps) -> SPSRecord:
-        """From a :class:`~dspark_hf.decoding.sps.SPSCurve`."""
+        """From a :class:`~dspark_hf.runtime.sps.SPSCurve`."""
         return cls(steps_per_s=list(sps.steps_per_s), ms_per_step=[1e3 / s for s in sps.steps_per_s],
                    device_name=sps.device_name, context_len=sps.context_len, target_name=sps.target_name,
                    ms_per_step_by_context={str(k): [1e3 / s for s in row] for k, row in sps.rows.items()})

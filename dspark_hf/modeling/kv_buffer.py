@@ -5,7 +5,7 @@ token on every step: O(context) per layer and token, 42 % of a 1-token target st
 CPU (issue 23). :class:`KVBuffer` keeps capacity ahead of the live length instead, grown geometrically (amortised
 O(1) copies per token) and shrunk when a crop leaves it more than twice the live length (memory ≤ ~2× live).
 
-Used by the target's cache (:class:`dspark_hf.decoding.kv_cache.GrowingCache`) and the drafter's context
+Used by the target's cache (:class:`dspark_hf.runtime.kv_cache.GrowingCache`) and the drafter's context
 (:class:`~dspark_hf.modeling.outputs.DraftContext`). Inference only: appends write in place.
 """
 

@@ -143,7 +143,7 @@ class DSparkDrafter(PreTrainedModel):
             self.calibration.save(save_directory)
 
     def set_sps_curve(self, curve):
-        """Use ``curve`` (an :class:`~dspark_hf.decoding.sps.SPSCurve`) as the target's SPS curve: what the scheduled
+        """Use ``curve`` (an :class:`~dspark_hf.runtime.sps.SPSCurve`) as the target's SPS curve: what the scheduled
         modes (``scheduler``, ``async``) and prompt lookup read. ``generate`` resolves a missing one before decoding
         (:func:`~dspark_hf.decoding.candidate_generator.prepare_call`)."""
         self.sps_curve = curve

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 
-from ..decoding.targets import as_messages, chat_ids
+from ..runtime.targets import as_messages, chat_ids
 from .categories import prompt_category
 from .sharegpt import sharegpt_prompts
 

@@ -1,6 +1,6 @@
 """The one description of the machine timings depend on: CPU, cores, torch threads, GPU and library versions.
 
-Read by the SPS profile (:func:`~dspark_hf.decoding.profiling.device_name`, part of the cached curve's key),
+Read by the SPS profile (:func:`~dspark_hf.runtime.profiling.device_name`, part of the cached curve's key),
 ``dspark bench`` (``benchmarks.json``'s ``machine``) and ``dspark info``.
 """
 

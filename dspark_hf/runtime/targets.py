@@ -78,8 +78,8 @@ def load_target(name_or_path: str | os.PathLike | None = None, dtype: torch.dtyp
         name_or_path: a Hub id or a local folder; ``None`` gives the bundled default target.
         dtype: parameter dtype (fp32 is the CPU default and what the tests use).
         prepack: run its linear layers through oneDNN with prepacked weights
-            (:func:`~dspark_hf.decoding.kernels.prepack_linears`); ``None``: where
-            :func:`~dspark_hf.decoding.kernels.can_prepack` says it applies.
+            (:func:`~dspark_hf.runtime.kernels.prepack_linears`); ``None``: where
+            :func:`~dspark_hf.runtime.kernels.can_prepack` says it applies.
         stock_kernels: keep transformers' stock linears, attention and KV cache (the baseline a user without
             this package gets; for accelerators, or to compare).
         threads: ``torch.set_num_threads(threads)``, process-wide (default
@@ -115,11 +115,11 @@ def load_target(name_or_path: str | os.PathLike | None = None, dtype: torch.dtyp
 def use_cpu_kernels(model: torch.nn.Module, prepack: bool | None = None) -> torch.nn.Module:
     """Verification at the CPU's price (issue 23): what :func:`load_target` applies unless ``stock_kernels``.
 
-    * linear layers through oneDNN with prepacked weights (:func:`~dspark_hf.decoding.kernels.prepack_linears`;
-      ``prepack=None``: where :func:`~dspark_hf.decoding.kernels.can_prepack` applies);
+    * linear layers through oneDNN with prepacked weights (:func:`~dspark_hf.runtime.kernels.prepack_linears`;
+      ``prepack=None``: where :func:`~dspark_hf.runtime.kernels.can_prepack` applies);
     * grouped-query attention without K/V copies under a mask
-      (:func:`~dspark_hf.decoding.attention.use_gqa_attention`, for models on ``"sdpa"``);
-    * ``generate``'s default cache appends in O(new tokens) (:func:`~dspark_hf.decoding.kv_cache.use_growing_cache`).
+      (:func:`~dspark_hf.runtime.attention.use_gqa_attention`, for models on ``"sdpa"``);
+    * ``generate``'s default cache appends in O(new tokens) (:func:`~dspark_hf.runtime.kv_cache.use_growing_cache`).
 
     Outputs match the stock kernels to float32 rounding, so greedy decoding is unchanged. Apply on the CPU (move
     the model first); returns ``model``, patched in place.
@@ -132,7 +132,7 @@ def use_cpu_kernels(model: torch.nn.Module, prepack: bool | None = None) -> torc
 
 def kernels_label(model: torch.nn.Module) -> str:
     """Which kernels ``model`` runs (timings depend on them; part of the SPS curve's cache key): the linear
-    kernels (:func:`~dspark_hf.decoding.kernels.linear_kernels`), then ``+sdpa-gqa`` and ``+growing-cache`` where
+    kernels (:func:`~dspark_hf.runtime.kernels.linear_kernels`), then ``+sdpa-gqa`` and ``+growing-cache`` where
     :func:`use_cpu_kernels` switched them on, e.g. ``"onednn-prepacked+sdpa-gqa+growing-cache"``."""
     return linear_kernels(model) + "+sdpa-gqa" * uses_gqa_attention(model) + "+growing-cache" * uses_growing_cache(model)
 

@@ -1,7 +1,7 @@
 """``SPSCurve``: the target's measured steps per second when verifying ``B`` tokens at once, per context length,
 refined online from the verification times of real rounds (paper §3.2.2), and what a round costs besides the
 verification (bookkeeping, the drafter's pass), learnt the same way. Measuring the curve and caching it on disk is
-:mod:`dspark_hf.decoding.profiling`."""
+:mod:`dspark_hf.runtime.profiling`."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class SPSCurve:
         torch_version: ``torch.__version__`` at measurement time.
         context_len: tokens in the KV cache while timing ``steps_per_s`` (the primary row).
         n_params: number of target parameters (tells apart unnamed models of different sizes).
-        linear_kernels: ``"stock"`` or ``"onednn-prepacked"`` (:func:`~dspark_hf.decoding.kernels.prepack_linears`
+        linear_kernels: ``"stock"`` or ``"onednn-prepacked"`` (:func:`~dspark_hf.runtime.kernels.prepack_linears`
             flattens the CPU curve, so it is part of what a curve was measured on).
         smoothed: whether :meth:`smooth` has been applied.
         context_curves: further rows ``{context length: steps_per_s list}`` (same length as ``steps_per_s``),
@@ -71,7 +71,7 @@ class SPSCurve:
     torch_version: str
     context_len: int  # tokens in the KV cache while timing
     n_params: int
-    linear_kernels: str = "stock"  # or "onednn-prepacked" (dspark_hf.decoding.kernels); older files: stock
+    linear_kernels: str = "stock"  # or "onednn-prepacked" (dspark_hf.runtime.kernels); older files: stock
     smoothed: bool = False  # running minimum applied (monotone non-increasing in B)
     context_curves: dict[int, list[float]] = field(default_factory=dict)  # other context lengths
     noisy: bool = False
@@ -102,7 +102,7 @@ class SPSCurve:
         """Whether online refinement has replaced the measurement where rounds use the curve: every size ``B``
         behind at least ``HEALED_SHARE`` of the observed verifications (all context rows together) was observed
         ``HEALED_AFTER`` times, so its measured value weighs < 10 % of the estimate (:meth:`observe`). A noisy
-        curve that has healed no longer warns (:func:`~dspark_hf.decoding.profiling.load_or_profile_sps`)."""
+        curve that has healed no longer warns (:func:`~dspark_hf.runtime.profiling.load_or_profile_sps`)."""
         per_size = [sum(row[b] for row in self.counts.values()) for b in range(self.max_tokens)]
         used = [n for n in per_size if n > 0 and n >= HEALED_SHARE * self.observations]
         return bool(used) and min(used) >= HEALED_AFTER

@@ -74,7 +74,7 @@ def device_name(device: torch.device, machine: Machine | None = None) -> str:
 
     Args:
         device: the target's device.
-        machine: the :class:`~dspark_hf.decoding.machine.Machine` to describe (default: this one, read now).
+        machine: the :class:`~dspark_hf.runtime.machine.Machine` to describe (default: this one, read now).
 
     Returns:
         CUDA: ``torch.cuda.get_device_name``; otherwise the machine type, core count and torch's intra-op thread
@@ -147,7 +147,7 @@ def _relative_spread(times: Sequence[float]) -> float:
 def grow_cache(target: torch.nn.Module, kv: DynamicCache, context_len: int) -> None:
     """Lengthen ``kv`` (filled, batch 1) to ``context_len`` tokens by repeating its keys/values: timing does not
     depend on their values, and a real prefill of thousands of tokens costs seconds. A real prefill where the
-    cache has layers other than plain :class:`DynamicLayer` / :class:`~dspark_hf.decoding.kv_cache.GrowingLayer`
+    cache has layers other than plain :class:`DynamicLayer` / :class:`~dspark_hf.runtime.kv_cache.GrowingLayer`
     (e.g. sliding windows)."""
     have = kv.get_seq_length()
     if context_len <= have:

@@ -17,7 +17,7 @@ tokens instead (the requests' segments side by side), with
 
 The attention function reads the batch layout from a ``ragged=`` keyword that transformers passes through the
 model's forward to every attention call; without it, it is
-:func:`~dspark_hf.decoding.attention.sdpa_gqa_attention_forward`, so a target switched to :data:`RAGGED`
+:func:`~dspark_hf.runtime.attention.sdpa_gqa_attention_forward`, so a target switched to :data:`RAGGED`
 (:func:`ragged_attention`) computes what it computed before for any other call.
 """
 
