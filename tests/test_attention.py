@@ -93,7 +93,7 @@ def test_load_target_sets_the_command_lines_thread_count(monkeypatch, tmp_path):
     """Issue 26: Python (torch's one thread per core) and the CLI (--threads 1) keyed two SPS curves, so the README's
     Python snippet profiled again. load_target now sets the CLI's default; threads=None keeps torch's setting."""
     from dspark_hf.cli.common import DEFAULT_THREADS
-    from dspark_hf.decoding import targets
+    from dspark_hf.runtime import targets
 
     monkeypatch.setattr(targets.AutoTokenizer, "from_pretrained", lambda path: "tokenizer")
     monkeypatch.setattr(targets.AutoModelForCausalLM, "from_pretrained", lambda path, dtype: tiny_llama(50, 16, 1))

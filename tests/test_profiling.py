@@ -9,7 +9,7 @@ from conftest import CYCLE_VOCAB, LLAMA_DEFAULT_TOKENS, cycle_drafter, cycle_tar
 from transformers import DynamicCache
 
 from dspark_hf import SequentialTemperatureScaling
-from dspark_hf.decoding import profiling, sps
+from dspark_hf.runtime import profiling, sps
 from dspark_hf.runtime.profiling import (
     load_or_profile_sps,
     plot_sps,

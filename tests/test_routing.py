@@ -14,9 +14,10 @@ from transformers.generation.utils import GenerationMixin
 
 import dspark_hf
 from dspark_hf import SequentialTemperatureScaling
-from dspark_hf.decoding import candidate_generator, profiling, routing
+from dspark_hf.decoding import candidate_generator, routing
 from dspark_hf.decoding.candidate_generator import DSparkCandidateGenerator
 from dspark_hf.modeling.state import BoundTarget
+from dspark_hf.runtime import profiling
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from dspark_hf import DSparkConfig, DSparkDrafter, defaults
-from dspark_hf.decoding import targets as target_mod
 from dspark_hf.defaults import check_local_path, default_target_dir, default_target_gguf
+from dspark_hf.runtime import targets as target_mod
 from dspark_hf.runtime.kernels import is_prepacked
 from dspark_hf.runtime.targets import chat_ids
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from ..modeling.configuration_dspark import MAX_BLOCK_SIZE, VERIFICATION_MODES
+from ..modeling.limits import MAX_BLOCK_SIZE, VERIFICATION_MODES
 from ..modeling.modeling_dspark import DSparkDrafter
 from ..runtime.kernels import is_prepacked, prepack_linears
 from ..runtime.profiling import ensure_sps_curve

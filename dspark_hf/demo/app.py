@@ -20,7 +20,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from ..decoding.lookup import lookup_enabled
 from ..decoding.verification import runnable_modes, unmet_need
-from ..modeling.configuration_dspark import MAX_BLOCK_SIZE, VERIFICATION_MODES
+from ..modeling.limits import MAX_BLOCK_SIZE, VERIFICATION_MODES
 from ..runtime.targets import chat_ids
 from .render import PLOT_COLORS, POSITION_ORDER, confidence_curve, curve_counts, gamma_limits, legend_html, stats_html
 from .transcript import RoundStreamer, StopOnEvent, Transcript, show_ghosts

@@ -9,7 +9,7 @@ import html
 
 import torch
 
-from ..modeling.configuration_dspark import MAX_BLOCK_SIZE
+from ..modeling.limits import MAX_BLOCK_SIZE
 from .transcript import BONUS, CORRECTION, DRAFT, LOOKUP, PRUNED, REJECTED, TARGET, RoundView, Transcript
 
 LEGEND = (

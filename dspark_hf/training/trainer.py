@@ -32,7 +32,7 @@ from ..modeling.configuration_dspark import DSparkConfig
 from ..modeling.modeling_dspark import DSparkDrafter
 from .config import TrainConfig
 from .curve import positions_per_step, run_curve
-from .losses import dspark_loss, expected_tau, greedy_survival, position_weights, tv_distance  # noqa: F401 (re-exported)
+from .losses import dspark_loss, expected_tau, greedy_survival, position_weights
 from .packing import FeatureBatcher, FeatureStore
 
 MAX_SHARD_SIZE = "16MB"  # safetensors shards of saved drafters (save_pretrained's max_shard_size): each file < 16 MiB
