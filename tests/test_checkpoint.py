@@ -8,7 +8,9 @@ import pytest
 import torch
 from test_training import tiny_data  # noqa: F401 (a fixture)
 
-from dspark_hf.training.trainer import TrainConfig, recover_checkpoint, save_checkpoint, train
+from dspark_hf.training.checkpoint import recover_checkpoint, save_checkpoint
+from dspark_hf.training.config import TrainConfig
+from dspark_hf.training.trainer import train
 
 
 class _Drafter:

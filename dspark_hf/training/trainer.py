@@ -17,7 +17,6 @@ import ctypes.util
 import functools
 import json
 import math
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,12 +29,12 @@ from tqdm.auto import tqdm
 
 from ..modeling.configuration_dspark import DSparkConfig
 from ..modeling.modeling_dspark import DSparkDrafter
+from .checkpoint import MAX_SHARD_SIZE, recover_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .curve import positions_per_step, run_curve
 from .losses import dspark_loss, expected_tau, greedy_survival, position_weights
 from .packing import FeatureBatcher, FeatureStore
 
-MAX_SHARD_SIZE = "16MB"  # safetensors shards of saved drafters (save_pretrained's max_shard_size): each file < 16 MiB
 TRIM_EVERY = 10  # steps between release_free_memory() calls (glibc malloc_trim: a few ms each)
 
 
@@ -196,7 +195,7 @@ def train(target, cfg: TrainConfig, progress: bool = True, command: str | None =
     """Train a drafter for ``target`` on the folders of ``cfg.data_dir``; checkpoints and resumes in ``cfg.out_dir``.
 
     Returns the folder of the final drafter (``out_dir/final``), loadable with
-    ``DSparkDrafter.from_pretrained`` (safetensors shards of at most :data:`MAX_SHARD_SIZE`). A
+    ``DSparkDrafter.from_pretrained`` (safetensors shards of at most :data:`~dspark_hf.training.checkpoint.MAX_SHARD_SIZE`). A
     ``log.jsonl`` records training and validation metrics; ``final/training.json`` the budget used, the draft
     positions trained per second of the loop (``positions_per_s``), the number of processes, the config, the final
     validation, ``command`` and the learning curve (:func:`~dspark_hf.training.curve.run_curve`, a warm start's
@@ -394,43 +393,3 @@ def _malloc_trim():
     """glibc's ``malloc_trim``, looked up once (``find_library`` runs ``ldconfig``), or ``None``."""
     name = ctypes.util.find_library("c")
     return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-
-
-def save_checkpoint(drafter, optimizer, generator, step: int, elapsed: float, ckpt: Path) -> None:
-    """Write the resumable state to ``ckpt`` atomically: the old checkpoint is never removed before the new one
-    is complete.
-
-    The new one is written to ``<ckpt>.partial`` (drafter shards, then ``state.pt`` last), the old one moved aside
-    to ``<ckpt>.old``, the new one renamed into place, and only then the old one deleted. A crash at any point
-    leaves a complete checkpoint at ``ckpt`` or at ``<ckpt>.old``, which :func:`recover_checkpoint` finds.
-
-    Args:
-        drafter: saved with ``save_pretrained`` (shards of at most :data:`MAX_SHARD_SIZE`).
-        optimizer, generator: their states go to ``state.pt`` with ``step`` and ``elapsed`` (seconds).
-        ckpt: the checkpoint folder (``out_dir/checkpoint``).
-    """
-    partial, old = ckpt.with_name(ckpt.name + ".partial"), ckpt.with_name(ckpt.name + ".old")
-    shutil.rmtree(partial, ignore_errors=True)  # a save that crashed earlier
-    drafter.save_pretrained(partial, max_shard_size=MAX_SHARD_SIZE)
-    torch.save({"optimizer": optimizer.state_dict(), "generator": generator.get_state(), "step": step,
-                "elapsed": elapsed}, partial / "state.pt")  # last: its presence marks a complete checkpoint
-    if (ckpt / "state.pt").is_file():
-        shutil.rmtree(old, ignore_errors=True)
-        ckpt.rename(old)
-    elif ckpt.exists():
-        shutil.rmtree(ckpt)  # an incomplete folder, never a checkpoint
-    partial.rename(ckpt)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def recover_checkpoint(out: Path) -> Path | None:
-    """The complete checkpoint of ``out`` to resume from (``out/checkpoint``), or ``None`` for none.
-
-    A crash between the two renames of :func:`save_checkpoint` leaves the previous checkpoint at
-    ``checkpoint.old`` and no ``checkpoint``: it is moved back. A ``checkpoint.partial`` is never resumed from.
-    """
-    ckpt, old = out / "checkpoint", out / "checkpoint.old"
-    if not (ckpt / "state.pt").is_file() and (old / "state.pt").is_file():
-        shutil.rmtree(ckpt, ignore_errors=True)
-        old.rename(ckpt)
-    return ckpt if (ckpt / "state.pt").is_file() else None
