@@ -10,16 +10,18 @@ Which drafter is used, first match wins:
 
 1. ``assistant_model=``: a drafter the caller already loaded;
 2. ``dspark_drafter=``: a drafter, Hub id or folder;
-3. the repository this file was loaded from: the ``custom_generate=`` argument of the calling
-   ``GenerationMixin.generate`` (a Hub id or a local folder, with the call's ``revision=``/``cache_dir=``);
-4. ``DRAFTER_REPO`` below, written by ``dspark card --repo-id`` (used if transformers stops exposing 3).
+3. the folder this file lives in, when that folder holds the drafter (its ``config.json`` is a DSpark config:
+   this file imported from a drafter folder; transformers runs a copy of it from its modules cache instead);
+4. ``DRAFTER_REPO`` below, written by ``dspark card --repo-id`` (loaded with the call's ``revision=``,
+   ``cache_dir=``, ``token=``...).
 
 Every other keyword (``max_new_tokens``, ``do_sample``, ``streamer``, ``dspark_block_size``,
 ``dspark_verification``, ``dspark_threshold``...) goes to ``generate`` unchanged.
 """
 
+import json
 import os
-import sys
+from pathlib import Path
 
 import dspark_hf
 
@@ -31,21 +33,16 @@ HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_downl
 _drafters = {}  # (location, hub kwargs) -> DSparkDrafter, so repeated calls load the drafter once
 
 
-def _calling_repo(depth=2):
-    """The ``custom_generate`` argument of the ``GenerationMixin.generate`` call that ran this file.
-
-    transformers calls ``generate`` below straight from its own ``generate`` (whose local
-    ``custom_generate`` is the Hub id or folder it loaded this file from), so only that one frame is
-    read: ``depth`` frames up from here. Anything else (a direct call, another transformers) gives ``None``.
-    """
+def _home_folder():
+    """The drafter folder this file lives in (``<folder>/custom_generate/generate.py``), or ``None`` when the
+    folder above holds no DSpark ``config.json`` (e.g. transformers' modules-cache copy of this file)."""
+    folder = Path(os.path.abspath(__file__)).parent.parent  # not resolve(): a Hub cache snapshot holds symlinks
+    config = folder / "config.json"
     try:
-        frame = sys._getframe(depth)
-    except ValueError:  # called from the top of the stack
-        return None
-    if frame.f_code.co_name == "generate" and frame.f_globals.get("__name__") == "transformers.generation.utils":
-        location = frame.f_locals.get("custom_generate")
-        return location if isinstance(location, str) else None
-    return None
+        is_drafter = config.is_file() and json.loads(config.read_text()).get("model_type") == "dspark"
+    except ValueError:  # not JSON: not a drafter's config
+        is_drafter = False
+    return str(folder) if is_drafter else None
 
 
 def _drafter(location, hub_kwargs):
@@ -65,20 +62,18 @@ def generate(model, *args, dspark_drafter=None, **kwargs):
             ``cache_dir``, ``token``, ...) are used to load the drafter and not passed on.
 
     Returns:
-        What ``model.generate`` returns; the drafter's per-round statistics are in ``drafter.last_stats``.
+        What ``model.generate`` returns; the call's per-round statistics are ``output.dspark_stats`` with
+        ``return_dict_in_generate=True``, and ``drafter.last_stats`` in the calling thread.
 
     Raises:
-        ValueError: no drafter location can be found (pass ``dspark_drafter=``).
+        ValueError: no drafter can be found (pass ``dspark_drafter=``).
     """
     hub_kwargs = {k: v for k in HUB_KWARGS if (v := kwargs.pop(k, None)) is not None}
-    drafter = kwargs.pop("assistant_model", None)
+    choices = (kwargs.pop("assistant_model", None), dspark_drafter, _home_folder(), DRAFTER_REPO)
+    drafter = next((choice for choice in choices if choice is not None), None)
     if drafter is None:
-        drafter = dspark_drafter
-    if drafter is None:
-        drafter = _calling_repo() or DRAFTER_REPO
-    if drafter is None:
-        raise ValueError("Cannot tell which repository this custom_generate came from: "
-                         "pass dspark_drafter=HUB_ID_OR_PATH.")
+        raise ValueError("This custom_generate names no drafter (no DRAFTER_REPO: its card was written without "
+                         "--repo-id): pass dspark_drafter=HUB_ID_OR_PATH.")
     if isinstance(drafter, (str, os.PathLike)):
         drafter = _drafter(drafter, hub_kwargs)
     # type(model).generate, not model.generate: a target whose own repo overrides `generate` must not loop back here
