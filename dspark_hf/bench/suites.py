@@ -21,7 +21,6 @@ LOW_ACCEPTANCE_IDS = ("xDKT94w_0", "1s5eust_0", "A4fLEgi_0", "5wCpyaT_0", "vP4Pi
                       "J7gsvGT_0", "OjaM9hX_30", "ynLoh9N_0", "dQ91i6O_0", "pNUCrJa_0")  # τ 1.07 .. 1.38
 LONG_TOKENS = (1500, 3500)  # chat-formatted prompt length of the long suite, whatever --max-prompt-tokens says
 LONG_CHARS = (6000, 14000)  # a cheap pre-filter on the text, before tokenizing
-_ROLES = {"human": "user", "gpt": "assistant"}
 
 
 def read_prompts_file(path: str | os.PathLike) -> list[tuple[str, str]]:
@@ -49,23 +48,25 @@ def long_prompts() -> list[tuple[str, list[dict]]]:
     6k-14k characters in all; id ``turns:<record>``), each answered at its last user turn; one per conversation.
     :func:`encode_suites` keeps those of 1.5k-3.5k tokens.
     """
+    from ..sources.conversations import ROLES, chat_messages
     from ..sources.sharegpt import conversation_key, load_sharegpt, split_of
 
     documents, conversations, seen = [], [], set()
     for record in load_sharegpt():
         if split_of(record["id"]) != "test" or conversation_key(record["id"]) in seen:
             continue  # one prompt per conversation (a record is one piece of it)
-        turns = [(_ROLES.get(t.get("from")), (t.get("value") or "").strip()) for t in record.get("conversations") or []]
-        users = [i for i, (role, _) in enumerate(turns) if role == "user"]
-        if not users or any(role is None or not text for role, text in turns):
-            continue
-        turns = turns[: users[-1] + 1]
-        if any(role != ("user" if i % 2 == 0 else "assistant") for i, (role, _) in enumerate(turns)):
-            continue  # not alternating from a user turn
-        messages = [{"role": role, "content": text} for role, text in turns]
-        if LONG_CHARS[0] <= len(turns[0][1]) <= LONG_CHARS[1]:
+        turns = record.get("conversations") or []
+        if any(ROLES.get(t.get("from")) is None or not (t.get("value") or "").strip() for t in turns):
+            continue  # every turn a user or assistant one, none empty
+        last_user = max((i for i, t in enumerate(turns) if ROLES[t["from"]] == "user"), default=None)
+        messages = chat_messages(record)  # its alternating prefix from a user turn
+        if last_user is None or len(messages) <= last_user:
+            continue  # not alternating from a user turn up to its last one
+        messages = messages[: last_user + 1]
+        if LONG_CHARS[0] <= len(messages[0]["content"]) <= LONG_CHARS[1]:
             documents.append((f"doc:{record['id']}", messages[:1]))
-        elif len(users) >= 3 and LONG_CHARS[0] <= sum(len(text) for _, text in turns) <= LONG_CHARS[1]:
+        elif (sum(m["role"] == "user" for m in messages) >= 3
+              and LONG_CHARS[0] <= sum(len(m["content"]) for m in messages) <= LONG_CHARS[1]):
             conversations.append((f"turns:{record['id']}", messages))
         else:
             continue
