@@ -29,6 +29,7 @@ from dspark_hf.cli.main import main as cli_main
 from dspark_hf.modeling.configuration_dspark import spread_layer_ids
 from dspark_hf.runtime.targets import chat_ids, load_default_target
 from dspark_hf.sources.prompt_queue import reply_ids
+from dspark_hf.training import checkpoint as checkpoints
 from dspark_hf.training import trainer as training
 from dspark_hf.training.config import TrainConfig
 from dspark_hf.training.curve import inherited_curve, run_curve
@@ -448,8 +449,9 @@ def test_processes_pack_disjoint_shares_of_one_batch(tiny_data):
 def test_saved_drafters_are_sharded_load_and_resume(tiny_data, tmp_path, monkeypatch):
     """Final drafter and checkpoint are safetensors shards of at most MAX_SHARD_SIZE (16 MB, under 16 MiB);
     both load completely, and training resumes from the sharded checkpoint."""
-    assert convert_file_size_to_int(training.MAX_SHARD_SIZE) <= 16 * 2**20
-    monkeypatch.setattr(training, "MAX_SHARD_SIZE", "20KB")  # the tiny drafter (~100 kB) then takes several shards
+    assert convert_file_size_to_int(checkpoints.MAX_SHARD_SIZE) <= 16 * 2**20
+    for module in (training, checkpoints):  # the final save and the checkpoint's
+        monkeypatch.setattr(module, "MAX_SHARD_SIZE", "20KB")  # the tiny drafter (~100 kB) then takes several shards
     target, out = tiny_data
     cfg = TrainConfig(data_dir=str(out), out_dir=str(tmp_path / "run"), num_hidden_layers=1, sequential_rank=8,
                       block_size=4, num_context_layers=2, draft_vocab_size=None, mask_token_id=0, steps=2, sequences_per_step=2,
