@@ -270,3 +270,33 @@ def test_prefilled_chat_cache_gives_plain_generate_output(default_target, cached
     out = model.generate(ids, max_new_tokens=16, do_sample=False, cache=prefilled(),
                          assistant_model=DSparkDrafter.from_pretrained(SHIPPED))
     assert torch.equal(out, plain)
+
+
+CARD_SNIPPET = r'''
+import json, sys
+from pathlib import Path
+
+import torch
+
+from dspark_hf.runtime.targets import load_default_target
+
+target, tok = load_default_target()
+inputs = tok.apply_chat_template([{"role": "user", "content": "Write a haiku about the sea."}],
+                                 add_generation_prompt=True, return_tensors="pt", return_dict=True)
+card = Path(sys.argv[1]).read_text()
+snippet = card.split("**`custom_generate=`**", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+exec(snippet.replace("max_new_tokens=256", "max_new_tokens=12"))  # the card's own call, a shorter answer
+plain = target.generate(**inputs, max_new_tokens=12, do_sample=False)
+print("RESULT", json.dumps({"identical": torch.equal(out, plain), "new_tokens": out.shape[1] - inputs["input_ids"].shape[1]}))
+'''
+
+
+def test_the_shipped_cards_custom_generate_snippet_runs(tmp_path):
+    """The shipped drafter's model card's ``custom_generate=`` call, run as written from the checkout (transformers
+    copies the recipe into its modules cache, so the card names the local drafter with ``dspark_drafter=``), decodes
+    token-identically to plain ``generate``."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path), "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-c", CARD_SNIPPET, str(SHIPPED / "README.md")], cwd=SHIPPED.parent.parent,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.split("RESULT ", 1)[1]) == {"identical": True, "new_tokens": 12}

@@ -42,7 +42,7 @@ from .sections import (
 
 def build_card(config, repo: str, bench: BenchResult | dict | None = None, training: dict | None = None,
                calibration: dict | None = None, n_params: int | None = None, has_diagram: bool = False,
-               compare: dict | None = None):
+               compare: dict | None = None, local_folder: bool = False):
     """The model card of a drafter, from its records only.
 
     Args:
@@ -51,6 +51,8 @@ def build_card(config, repo: str, bench: BenchResult | dict | None = None, train
         bench: benchmark results (a ``dspark bench`` :class:`BenchResult` or its JSON as a dict, or any dict of
             metrics: see :func:`speed_section`), or ``None``.
         compare: ``dspark generate --compare`` medians (see :func:`compare_block`), or ``None``.
+        local_folder: ``repo`` is a local folder (no Hub id chosen): the ``custom_generate=`` snippet then names
+            the drafter with ``dspark_drafter=`` too (the recipe, run from transformers' modules cache, cannot).
         training: the drafter's ``training.json``, or ``None``.
         calibration: the drafter's ``calibration.json``, or ``None``.
         n_params: the drafter's own parameter count.
@@ -81,6 +83,7 @@ def build_card(config, repo: str, bench: BenchResult | dict | None = None, train
         template_path=str(CARD_TEMPLATE),
         title=f"DSpark drafter for {base.split('/')[-1]}",
         repo=repo,
+        local_folder=local_folder,
         block_size=config.block_size,
         architecture=architecture_section(config, n_params),
         speed=speed_section(bench, compare),
@@ -238,6 +241,7 @@ def write_card(model_dir: str | Path, bench: BenchResult | dict | str | Path | N
         n_params=_count_params(model_dir),
         has_diagram=(model_dir / RELIABILITY_FILE).is_file(),
         compare=json.loads(Path(compare).read_text()) if compare is not None else None,
+        local_folder=repo_id is None,
     )
     write_custom_generate(model_dir, repo_id)
     card.save(model_dir / "README.md")
