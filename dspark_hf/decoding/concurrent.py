@@ -33,7 +33,7 @@ from ..modeling.outputs import DraftBlock
 from ..runtime.kernels import is_prepacked, prepack_linears
 from ..runtime.profiling import load_or_profile_sps
 from ..runtime.ragged import RaggedBatch, RequestKV, ragged_attention, ragged_forward
-from .batch_costs import DraftGate, StepCosts
+from .batch_costs import DraftGate, StepCosts, learnt_costs
 from .scheduler import schedule_batch
 from .stats import BatchStats, GenerationStats, RoundStats, StepStats
 from .verification import POLICIES, accept_drafts, unmet_need
@@ -112,7 +112,9 @@ class ConcurrentDecoder:
             γ), a threshold outside [0, 1], ``max_requests < 1``.
 
     In the scheduled modes a :class:`~dspark_hf.decoding.batch_costs.DraftGate` decides before each step whether
-    drafting is expected to beat plain batched decoding (:class:`~dspark_hf.decoding.batch_costs.StepCosts`).
+    drafting is expected to beat plain batched decoding (:class:`~dspark_hf.decoding.batch_costs.StepCosts`); both
+    start from what earlier decoders with the same drafter, curve and settings learnt
+    (:func:`~dspark_hf.decoding.batch_costs.learnt_costs`).
     """
 
     def __init__(self, target, drafter: DSparkDrafter | None = None, *, block_size: int | None = None,
@@ -140,8 +142,8 @@ class ConcurrentDecoder:
             raise ValueError(f"max_requests must be >= 1, got {max_requests}.")
         self.max_requests = int(max_requests)
         self.sps = sps
-        self.costs: StepCosts | None = None  # the scheduled modes' cost model, made by running()
-        self.gate = DraftGate()
+        self.costs: StepCosts | None = None  # the scheduled modes' cost model and gate, from running()
+        self.gate: DraftGate | None = None
         self._probes = 0  # probes so far (each drafts for the next request in turn)
         self.requests: list[Request] = []
         self.stats = BatchStats()
@@ -204,7 +206,8 @@ class ConcurrentDecoder:
             if curve is None or curve.max_tokens < max(needed, self.max_requests):
                 curve = load_or_profile_sps(self.target, max_tokens=max(needed, self.max_requests))
                 self.drafter.set_sps_curve(curve)
-            self.sps, self.costs = curve, StepCosts(curve)
+            self.sps = curve
+            self.costs, self.gate = learnt_costs(self.drafter, curve, (self.block_size, self.mode, self.do_sample))
         return ragged_attention(self.target)
 
     # ---------------------------------------------------------------------------------------------- step
@@ -227,6 +230,7 @@ class ConcurrentDecoder:
             if self.costs is not None and not step.prefill:  # a probe's pass is not the pass for all requests
                 self.costs.observe(step.requests, step.step_ms - step.verify_ms - step.draft_ms,
                                    step.draft_ms if step.drafted == step.requests else None)
+                self.gate.observe_step(step.requests, step.drafted, sum(map(len, emitted.values())), step.step_ms)
         return emitted
 
     def _prefill(self, requests: list[Request]) -> dict[int, list[int]]:
@@ -290,7 +294,7 @@ class ConcurrentDecoder:
                 draft_ms=draft_ms / len(requests), verify_ms=step.verify_ms))
             emitted[request.index] = out
         if drafting and self.costs is not None:  # what the drafting requests got
-            self.gate.observe(drafting, sum(len(emitted[r.index]) for r, b in zip(requests, blocks) if b is not None)
+            self.gate.observe(len(requests), drafting, sum(len(emitted[r.index]) for r, b in zip(requests, blocks) if b is not None)
                               or drafting, sum(1 + n for n, b in zip(lengths, blocks) if b is not None) or drafting)
         return emitted
 
