@@ -13,7 +13,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from dspark_hf import ConcurrentDecoder, SequentialTemperatureScaling, generate_concurrent
-from dspark_hf.bench.concurrency import run_concurrency, write
+from dspark_hf.bench.concurrency import markdown, run_concurrency, write
 from dspark_hf.decoding.batch_costs import DraftGate, StepCosts, learnt_costs
 from dspark_hf.runtime.ragged import RaggedBatch, RequestKV, ragged_attention, ragged_forward
 
@@ -383,9 +383,17 @@ def test_learnt_costs_carry_over_between_calls_with_the_same_settings(drafter):
 
 def test_concurrency_bench_rows(target, drafter, tmp_path):
     result = run_concurrency(target, drafter, [[3, 5, 7], [9]], [1, 2], max_new_tokens=4, gamma=4,
-                             arms=("plain", "fixed"), log=lambda line: None)
-    assert [(r["concurrency"], r["arm"]) for r in result["rows"]] == [(1, "plain"), (1, "fixed"), (2, "plain"),
-                                                                         (2, "fixed")]
+                             arms=("plain", "fixed", "best_fixed"), log=lambda line: None, fixed_ks=(1, 4))
+    assert [(r["concurrency"], r["arm"]) for r in result["rows"]] == [
+        (1, "plain"), (1, "fixed"), (1, "best_fixed"), (2, "plain"), (2, "fixed"), (2, "best_fixed")]
     assert all(r["mismatches"] == 0 and r["tokens"] == 4 * r["requests"] for r in result["rows"])
+    for fixed, best in zip(result["rows"][1::3], result["rows"][2::3]):
+        assert set(best["tok_s_by_k"]) == {"1", "4"}
+        assert best["tok_s_by_k"]["4"] == fixed["aggregate_tok_s"]  # fixed γ = 4 is reused, not run again
+        assert best["aggregate_tok_s"] == max(best["tok_s_by_k"].values())
+        assert best["tok_s_by_k"][str(best["k"])] == best["aggregate_tok_s"]
+    assert f"| 1 | best_fixed (k = {result['rows'][2]['k']}) |" in markdown(result)
     assert {p.name for p in write(result, tmp_path)} == {"concurrency.json", "concurrency.md",
                                                          "concurrency_frontier.png", "concurrency_budget.png"}
+
+
