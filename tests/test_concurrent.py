@@ -153,6 +153,10 @@ def test_generate_concurrent_closed_loop_streams_and_frees_finished_requests(tar
         assert outputs[i] == plain(target, prompt, max_new=10) == streamed[i]
     assert max(step.requests for step in stats.steps) == 2
     assert len(stats) == len(prompts) and stats.tau > 1.0
+    # each request's first drafting step feeds its prompt's features to the drafter: a catch-up kept apart
+    assert any(step.extend_ms > 0 for step in stats.steps if step.drafted)
+    assert all(step.extend_ms <= step.draft_ms for step in stats.steps)
+    assert all(step.extend_ms == 0 for step in stats.steps if not step.drafted)
 
 
 def test_generate_concurrent_stops_at_the_targets_eos_by_default(target, drafter, monkeypatch):
