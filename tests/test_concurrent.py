@@ -356,8 +356,6 @@ def test_draft_gate_stops_drafting_that_loses_and_probes_with_back_off():
     gate.tokens_per_request[4] = 2.0  # 8 tokens for B = 8: 8 / 151 ms > 1.1 · 4 / 120 ms
     assert gate.drafting_requests(costs, 4, 0) == 4 and gate.interval == 1
     assert gate.drafting_requests(costs, 8, 0) == 8  # t̄, b̄ at R = 8: R = 4's (nearest)
-    gate.observe(4, 1, emitted=4, verified=5)  # a probe weighs 1/4 of a full step: t̄ += 0.05 · (4 - 2)
-    assert gate.tokens_per_request[4] == pytest.approx(2.1) and gate.verified_per_request[4] == pytest.approx(2.15)
 
 
 def test_draft_gate_follows_measured_throughput_against_the_model():

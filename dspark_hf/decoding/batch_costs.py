@@ -25,8 +25,8 @@ MARGIN = 0.10  # a drafting step must promise this much more throughput than a p
 MAX_PROBE_INTERVAL = 64  # plain steps between two probes that draft, at most (the interval doubles up to it)
 
 
-def _blend(table: dict[int, float], key: int, value: float, weight: float = ONLINE_WEIGHT) -> None:
-    table[key] = value if key not in table else (1 - weight) * table[key] + weight * value
+def _blend(table: dict[int, float], key: int, value: float) -> None:
+    table[key] = value if key not in table else (1 - ONLINE_WEIGHT) * table[key] + ONLINE_WEIGHT * value
 
 
 def _interpolate(table: dict[int, float], key: int, proportional: bool = False) -> float:
@@ -136,12 +136,9 @@ class DraftGate:
 
     def observe(self, requests: int, drafted: int, emitted: int, verified: int) -> None:
         """A step of ``requests`` where ``drafted`` of them drafted; those emitted ``emitted`` tokens and verified
-        ``verified``. A probe (``drafted < requests``) weighs ``drafted / requests`` of a full step: alone in the
-        schedule, its request gets a longer block than it would among ``R`` (Algorithm 1 admits more while ``B`` is
-        small), so its ``t̄``, ``b̄`` overrate a full drafting step."""
-        weight = ONLINE_WEIGHT * drafted / requests
-        _blend(self.tokens_per_request, requests, emitted / drafted, weight)
-        _blend(self.verified_per_request, requests, verified / drafted, weight)
+        ``verified``."""
+        _blend(self.tokens_per_request, requests, emitted / drafted)
+        _blend(self.verified_per_request, requests, verified / drafted)
 
     def observe_step(self, requests: int, drafted: int, emitted: int, step_ms: float) -> None:
         """A whole step's measured throughput (``emitted`` tokens of all requests in ``step_ms``): kept per ``R``
