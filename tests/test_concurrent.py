@@ -13,8 +13,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from dspark_hf import ConcurrentDecoder, SequentialTemperatureScaling, generate_concurrent
-from dspark_hf.bench.concurrency import run_concurrency, write
-from dspark_hf.decoding.batch_costs import DraftGate, StepCosts
+from dspark_hf.bench.concurrency import markdown, run_concurrency, write
+from dspark_hf.decoding.batch_costs import DraftGate, StepCosts, learnt_costs
 from dspark_hf.runtime.ragged import RaggedBatch, RequestKV, ragged_attention, ragged_forward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -153,6 +153,10 @@ def test_generate_concurrent_closed_loop_streams_and_frees_finished_requests(tar
         assert outputs[i] == plain(target, prompt, max_new=10) == streamed[i]
     assert max(step.requests for step in stats.steps) == 2
     assert len(stats) == len(prompts) and stats.tau > 1.0
+    # each request's first drafting step feeds its prompt's features to the drafter: a catch-up kept apart
+    assert any(step.extend_ms > 0 for step in stats.steps if step.drafted)
+    assert all(step.extend_ms <= step.draft_ms for step in stats.steps)
+    assert all(step.extend_ms == 0 for step in stats.steps if not step.drafted)
 
 
 def test_generate_concurrent_stops_at_the_targets_eos_by_default(target, drafter, monkeypatch):
@@ -346,18 +350,54 @@ def test_draft_gate_stops_drafting_that_loses_and_probes_with_back_off():
     costs.observe(4, overhead_ms=5.0, draft_ms=20.0)
     gate = DraftGate()
     assert gate.drafting_requests(costs, 4, 0) == 4  # nothing known yet: draft
-    gate.observe(4, emitted=int(4 * 1.25), verified=8)  # 5 tokens for B = 8: 5 / 151 ms < 1.1 · 4 / 120 ms
+    gate.observe(4, 4, emitted=int(4 * 1.25), verified=8)  # 5 tokens for B = 8: 5 / 151 ms < 1.1 · 4 / 120 ms
     decisions = [gate.drafting_requests(costs, 4, 0) for _ in range(8)]
     assert decisions == [1, 0, 1, 0, 0, 0, 1, 0]  # probes of one request, the gap doubling
-    gate.tokens_per_request = 2.0  # 8 tokens for B = 8: 8 / 151 ms > 1.1 · 4 / 120 ms
+    gate.tokens_per_request[4] = 2.0  # 8 tokens for B = 8: 8 / 151 ms > 1.1 · 4 / 120 ms
     assert gate.drafting_requests(costs, 4, 0) == 4 and gate.interval == 1
+    assert gate.drafting_requests(costs, 8, 0) == 8  # t̄, b̄ at R = 8: R = 4's (nearest)
+
+
+def test_draft_gate_follows_measured_throughput_against_the_model():
+    costs = StepCosts(tiny_sps_curve())
+    costs.observe(4, overhead_ms=5.0, draft_ms=20.0)
+    gate = DraftGate()
+    gate.observe(4, 4, emitted=8, verified=8)  # the model: 8 / 151 ms > 1.1 · 4 / 120 ms, draft
+    gate.observe_step(4, 4, emitted=8, step_ms=200.0)  # measured: 0.040 tokens/ms drafting
+    gate.observe_step(4, 1, emitted=6, step_ms=100.0)  # a probe: not a rate of either kind
+    assert gate.drafting_requests(costs, 4, 0) == 4  # no plain step measured yet: the model decides
+    gate.observe_step(4, 0, emitted=4, step_ms=80.0)  # 0.050 tokens/ms plain: measured against drafting
+    assert gate.plain_rate == {4: 0.05} and gate.drafting_rate == {4: 0.04}
+    decisions = [gate.drafting_requests(costs, 4, 0) for _ in range(7)]
+    assert decisions == [4, 0, 4, 0, 0, 0, 4]  # the model still for drafting: re-measure all of R, backing off
+    gate.observe_step(4, 4, emitted=12, step_ms=100.0)  # 0.8 · 0.04 + 0.2 · 0.12 = 0.056 > 0.05
+    assert gate.drafting_rate[4] == pytest.approx(0.056)
+    assert gate.drafting_requests(costs, 4, 0) == 4 and gate.interval == 1
+
+
+def test_learnt_costs_carry_over_between_calls_with_the_same_settings(drafter):
+    curve = tiny_sps_curve()
+    costs, gate = learnt_costs(drafter, curve, (4, "scheduler", False))
+    costs.observe(2, overhead_ms=3.0, draft_ms=9.0)
+    gate.observe(2, 2, emitted=5, verified=6)
+    assert learnt_costs(drafter, curve, (4, "scheduler", False)) == (costs, gate)
+    assert learnt_costs(drafter, curve, (4, "async", False))[1].tokens_per_request == {}  # other settings: afresh
+    assert learnt_costs(drafter, tiny_sps_curve(), (4, "scheduler", False))[0].draft_ms == {}  # a new curve too
 
 
 def test_concurrency_bench_rows(target, drafter, tmp_path):
     result = run_concurrency(target, drafter, [[3, 5, 7], [9]], [1, 2], max_new_tokens=4, gamma=4,
-                             arms=("plain", "fixed"), log=lambda line: None)
-    assert [(r["concurrency"], r["arm"]) for r in result["rows"]] == [(1, "plain"), (1, "fixed"), (2, "plain"),
-                                                                         (2, "fixed")]
+                             arms=("plain", "fixed", "best_fixed"), log=lambda line: None, fixed_ks=(1, 4))
+    assert [(r["concurrency"], r["arm"]) for r in result["rows"]] == [
+        (1, "plain"), (1, "fixed"), (1, "best_fixed"), (2, "plain"), (2, "fixed"), (2, "best_fixed")]
     assert all(r["mismatches"] == 0 and r["tokens"] == 4 * r["requests"] for r in result["rows"])
+    for fixed, best in zip(result["rows"][1::3], result["rows"][2::3]):
+        assert set(best["tok_s_by_k"]) == {"1", "4"}
+        assert best["tok_s_by_k"]["4"] == fixed["aggregate_tok_s"]  # fixed γ = 4 is reused, not run again
+        assert best["aggregate_tok_s"] == max(best["tok_s_by_k"].values())
+        assert best["tok_s_by_k"][str(best["k"])] == best["aggregate_tok_s"]
+    assert f"| 1 | best_fixed (k = {result['rows'][2]['k']}) |" in markdown(result)
     assert {p.name for p in write(result, tmp_path)} == {"concurrency.json", "concurrency.md",
                                                          "concurrency_frontier.png", "concurrency_budget.png"}
+
+

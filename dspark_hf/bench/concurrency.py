@@ -5,6 +5,8 @@ prompts with at most R in flight, greedy, through each arm:
 
 * ``plain``: batched decoding without a drafter (the same loop, ``ℓ_r = 0``): the baseline;
 * ``fixed``: every request verifies its γ drafts (load-independent);
+* ``best_fixed``: fixed verification at each k of ``fixed_ks`` (e.g. 1, 2, 3, 5, 7), the fastest k at this R
+  (aggregate tok/s; an oracle no fixed setting reaches across R: each R picks its own k);
 * ``threshold``: the confident prefix (``c_k ≥ t``), load-independent too;
 * ``scheduler``: Algorithm 1 across the requests on the step cost model, with the draft-or-not gate;
 * ``async``: the §5.2 global search across the requests, with the gate.
@@ -23,7 +25,8 @@ import statistics
 import time
 from pathlib import Path
 
-ARMS = ("plain", "fixed", "threshold", "scheduler", "async")
+ARMS = ("plain", "fixed", "best_fixed", "threshold", "scheduler", "async")
+FIXED_KS = (1, 2, 3, 5, 7)
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -63,13 +66,29 @@ def run_arm(target, drafter, prompts: list[list[int]], concurrency: int, max_new
     return row, outputs
 
 
+def run_best_fixed(target, drafter, prompts: list[list[int]], concurrency: int, max_new_tokens: int,
+                   ks=FIXED_KS, known: dict | None = None) -> tuple[dict, list[list[int]]]:
+    """Fixed verification at each ``k`` of ``ks`` (``known``: ``{k: (row, outputs)}`` already run); returns the
+    fastest k's ``(row, outputs)``, its row renamed ``best_fixed`` with ``k`` and ``tok_s_by_k``."""
+    runs = dict(known or {})
+    for k in ks:
+        if k not in runs:
+            runs[k] = run_arm(target, drafter, prompts, concurrency, max_new_tokens, "fixed", k)
+    best = max(ks, key=lambda k: runs[k][0]["aggregate_tok_s"])
+    row, outputs = runs[best]
+    row = {**row, "arm": "best_fixed", "k": best,
+           "tok_s_by_k": {str(k): runs[k][0]["aggregate_tok_s"] for k in ks}}
+    return row, outputs
+
+
 def run_concurrency(target, drafter, prompts: list[list[int]], levels: list[int], max_new_tokens: int, gamma: int,
-                    arms=ARMS, log=print) -> dict:
+                    arms=ARMS, log=print, fixed_ks=FIXED_KS) -> dict:
     """Every arm at every concurrency level; ``2·R`` prompts per level (prompts repeat if there are fewer).
 
     Returns:
         ``{"rows": [...], "settings": {...}}`` with one row per (arm, R) as :func:`run_arm` makes it, plus
-        ``mismatches`` (greedy outputs differing from ``plain``) and ``speed_vs_plain``.
+        ``mismatches`` (greedy outputs differing from ``plain``) and ``speed_vs_plain``; ``best_fixed`` rows add
+        ``k`` and ``tok_s_by_k`` (:func:`run_best_fixed`; ``fixed_ks`` the k tried).
 
     Raises:
         ValueError: no prompts, a level below 1 or an unknown arm.
@@ -84,19 +103,24 @@ def run_concurrency(target, drafter, prompts: list[list[int]], levels: list[int]
     rows = []
     for concurrency in levels:
         batch = [prompts[i % len(prompts)] for i in range(2 * concurrency)]
-        reference = None
+        reference, fixed = None, {}
         for arm in arms:
-            row, outputs = run_arm(target, drafter, batch, concurrency, max_new_tokens, arm, gamma)
+            if arm == "best_fixed":
+                row, outputs = run_best_fixed(target, drafter, batch, concurrency, max_new_tokens, fixed_ks, fixed)
+            else:
+                row, outputs = run_arm(target, drafter, batch, concurrency, max_new_tokens, arm, gamma)
+            if arm == "fixed":
+                fixed[gamma] = row, outputs
             if arm == "plain":
                 reference, plain = outputs, row
             row["mismatches"] = sum(o != r for o, r in zip(outputs, reference)) if reference is not None else None
             row["speed_vs_plain"] = row["aggregate_tok_s"] / plain["aggregate_tok_s"] if reference is not None else None
             rows.append(row)
-            log(f"R={concurrency} {arm:9s} {row['aggregate_tok_s']:6.1f} tok/s aggregate, "
+            log(f"R={concurrency} {arm:10s} {row['aggregate_tok_s']:6.1f} tok/s aggregate, "
                 f"{row['per_user_tok_s_median']:5.1f} per user, 1+ℓ̄ {row['verified_per_request']:.2f}, "
                 f"τ {row['tau']:.2f}, mismatches {row['mismatches']}")
     return {"rows": rows, "settings": {"levels": list(levels), "max_new_tokens": max_new_tokens, "gamma": gamma,
-                                       "arms": list(arms), "prompts_per_level": "2·R"}}
+                                       "arms": list(arms), "fixed_ks": list(fixed_ks), "prompts_per_level": "2·R"}}
 
 
 def markdown(result: dict) -> str:
@@ -105,7 +129,8 @@ def markdown(result: dict) -> str:
              "| step ms | pred. error | mismatches |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         error = f"{100 * r['predicted_step_error_median']:.0f} %" if r["predicted_step_error_median"] is not None else "—"
-        lines.append(f"| {r['concurrency']} | {r['arm']} | {r['aggregate_tok_s']:.1f} | "
+        arm = f"best_fixed (k = {r['k']})" if r["arm"] == "best_fixed" else r["arm"]
+        lines.append(f"| {r['concurrency']} | {arm} | {r['aggregate_tok_s']:.1f} | "
                      f"{r['per_user_tok_s_median']:.1f} / {r['per_user_tok_s_p10']:.1f} | {r['speed_vs_plain']:.2f} | "
                      f"{r['verified_per_request']:.2f} | {r['tau']:.2f} | {r['rejected_drafts']} | "
                      f"{r['drafting_steps']}/{r['steps']} | {r['step_ms_median']:.0f} | {error} | {r['mismatches']} |")

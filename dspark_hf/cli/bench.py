@@ -131,6 +131,7 @@ def add_parser(sub):
     p.add_argument("--json", action="store_true", help="print the JSON to stdout")
     p.add_argument("--concurrency", default=None, help="comma-separated R, e.g. 1,2,4,8: instead of the single-request "
                                                        "bench, serve 2·R prompts with R in flight through plain batched "
-                                                       "decoding, fixed γ, threshold, Algorithm 1 and async "
+                                                       "decoding, fixed γ, the best fixed k per R, threshold, "
+                                                       "Algorithm 1 and async "
                                                        "(concurrency.json/.md and two PNGs in --out)")
     return p

@@ -17,6 +17,7 @@ of a plain one, from the past only, so the decision never looks at this step's d
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 ONLINE_WEIGHT = 0.2  # weight of a new observation in the running estimates
@@ -86,43 +87,76 @@ class StepCosts:
 class DraftGate:
     """How many requests the next step drafts for, from what past steps did: all of them, one (a probe) or none.
 
-    ``Θ_draft = R · t̄ / time(R · b̄, R, drafts)`` with ``t̄`` the tokens emitted and ``b̄`` the tokens verified per
-    drafting request (running estimates), against ``Θ_plain = R / time(R, R, no drafts)``. All requests draft while
-    no estimate exists or while ``Θ_draft > (1 + MARGIN) · Θ_plain``; otherwise the step is plain decoding, and
-    every ``interval`` plain steps one request (in turn) drafts as a probe that refreshes the estimates at a
-    ``1/R`` of a full drafter pass (``interval`` doubles up to :data:`MAX_PROBE_INTERVAL` while drafting loses,
-    and returns to 1 when it wins).
+    Two checks, both from past steps only (so no decision looks at a draft of its own step: lossless):
+
+    * the model: ``Θ_draft = R · t̄ / time(R · b̄, R, drafts)`` with ``t̄`` the tokens emitted and ``b̄`` the tokens
+      verified per drafting request at this ``R`` (running estimates, interpolated across ``R``), against
+      ``Θ_plain = R / time(R, R, no drafts)``; drafting needs ``Θ_draft > (1 + MARGIN) · Θ_plain``;
+    * the measurement: once steps at this ``R`` of both kinds have run, the measured tokens per ms of drafting
+      steps (all ``R`` drafting) must exceed that of plain ones (the model can be wrong; what ran cannot).
+
+    All requests draft while nothing is known or while both checks favour drafting; otherwise the step is plain
+    decoding, and every ``interval`` plain steps one step drafts again (``interval`` doubles up to
+    :data:`MAX_PROBE_INTERVAL` while drafting loses, and returns to 1 when it wins): for all requests when only
+    the measurement is against drafting (to measure it again), else for one request (in turn) as a probe that
+    refreshes ``t̄``, ``b̄`` at ``1/R`` of a full drafter pass.
+
+    One gate (with its :class:`StepCosts`) serves every call of a drafter with the same settings
+    (:func:`learnt_costs`), so a call starts from what the previous ones learnt.
 
     Attributes:
-        tokens_per_request / verified_per_request: ``t̄`` and ``b̄`` (``None`` before the first drafting step).
+        tokens_per_request / verified_per_request: ``t̄`` and ``b̄`` by ``R`` (empty before the first drafting step).
+        drafting_rate / plain_rate: measured tokens per ms of steps where all ``R`` requests drafted / none did.
     """
 
-    tokens_per_request: float | None = None
-    verified_per_request: float | None = None
+    tokens_per_request: dict[int, float] = field(default_factory=dict)
+    verified_per_request: dict[int, float] = field(default_factory=dict)
+    drafting_rate: dict[int, float] = field(default_factory=dict)
+    plain_rate: dict[int, float] = field(default_factory=dict)
     interval: int = 1
     plain_steps: int = 0
 
     def drafting_requests(self, costs: StepCosts, requests: int, context: int) -> int:
         """``requests``, 1 (a probe) or 0."""
-        if self.tokens_per_request is None or not costs.draft_ms:
+        if not self.tokens_per_request or not costs.draft_ms:
             return requests
-        verified = max(requests, round(requests * self.verified_per_request))
-        drafting = requests * self.tokens_per_request / costs.predict_ms(verified, requests, context, requests)
-        plain = requests / costs.predict_ms(requests, requests, context)
-        if drafting > (1 + MARGIN) * plain:
+        verified = max(requests, round(requests * _interpolate(self.verified_per_request, requests)))
+        drafting = (requests * _interpolate(self.tokens_per_request, requests)
+                    / costs.predict_ms(verified, requests, context, requests))
+        model_wins = drafting > (1 + MARGIN) * requests / costs.predict_ms(requests, requests, context)
+        measured = self.drafting_rate.get(requests), self.plain_rate.get(requests)
+        if model_wins and (None in measured or measured[0] > measured[1]):
             self.interval, self.plain_steps = 1, 0
             return requests
         self.plain_steps += 1
         if self.plain_steps >= self.interval:
             self.plain_steps, self.interval = 0, min(2 * self.interval, MAX_PROBE_INTERVAL)
-            return 1
+            return requests if model_wins else 1
         return 0
 
-    def observe(self, drafted: int, emitted: int, verified: int) -> None:
-        """A step where ``drafted`` requests drafted; they emitted ``emitted`` tokens and verified ``verified``."""
-        t, b = emitted / drafted, verified / drafted
-        if self.tokens_per_request is None:
-            self.tokens_per_request, self.verified_per_request = t, b
-        else:
-            self.tokens_per_request = (1 - ONLINE_WEIGHT) * self.tokens_per_request + ONLINE_WEIGHT * t
-            self.verified_per_request = (1 - ONLINE_WEIGHT) * self.verified_per_request + ONLINE_WEIGHT * b
+    def observe(self, requests: int, drafted: int, emitted: int, verified: int) -> None:
+        """A step of ``requests`` where ``drafted`` of them drafted; those emitted ``emitted`` tokens and verified
+        ``verified``."""
+        _blend(self.tokens_per_request, requests, emitted / drafted)
+        _blend(self.verified_per_request, requests, verified / drafted)
+
+    def observe_step(self, requests: int, drafted: int, emitted: int, step_ms: float) -> None:
+        """A whole step's measured throughput (``emitted`` tokens of all requests in ``step_ms``): kept per ``R``
+        for steps where all requests drafted or none did (a probe's is neither)."""
+        if step_ms > 0 and drafted in (0, requests):
+            _blend(self.drafting_rate if drafted else self.plain_rate, requests, emitted / step_ms)
+
+
+_LEARNT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # drafter -> {settings: (StepCosts, DraftGate)}
+
+
+def learnt_costs(drafter, curve, settings: tuple) -> tuple[StepCosts, DraftGate]:
+    """The cost model and gate of ``drafter`` on ``curve`` for ``settings`` (e.g. block size, mode, sampling):
+    what the previous calls with them learnt (overhead(R), draft(R), t̄, b̄, measured rates), or new ones. Shared
+    by the calls (and threads) using the drafter; a new curve starts afresh."""
+    table = _LEARNT.setdefault(drafter, {})
+    costs, gate = table.get(settings, (None, None))
+    if costs is None or costs.sps is not curve:
+        costs, gate = StepCosts(curve), DraftGate()
+        table[settings] = costs, gate
+    return costs, gate

@@ -33,7 +33,7 @@ from ..modeling.outputs import DraftBlock
 from ..runtime.kernels import is_prepacked, prepack_linears
 from ..runtime.profiling import load_or_profile_sps
 from ..runtime.ragged import RaggedBatch, RequestKV, ragged_attention, ragged_forward
-from .batch_costs import DraftGate, StepCosts
+from .batch_costs import DraftGate, StepCosts, learnt_costs
 from .scheduler import schedule_batch
 from .stats import BatchStats, GenerationStats, RoundStats, StepStats
 from .verification import POLICIES, accept_drafts, unmet_need
@@ -112,7 +112,9 @@ class ConcurrentDecoder:
             γ), a threshold outside [0, 1], ``max_requests < 1``.
 
     In the scheduled modes a :class:`~dspark_hf.decoding.batch_costs.DraftGate` decides before each step whether
-    drafting is expected to beat plain batched decoding (:class:`~dspark_hf.decoding.batch_costs.StepCosts`).
+    drafting is expected to beat plain batched decoding (:class:`~dspark_hf.decoding.batch_costs.StepCosts`); both
+    start from what earlier decoders with the same drafter, curve and settings learnt
+    (:func:`~dspark_hf.decoding.batch_costs.learnt_costs`).
     """
 
     def __init__(self, target, drafter: DSparkDrafter | None = None, *, block_size: int | None = None,
@@ -140,9 +142,10 @@ class ConcurrentDecoder:
             raise ValueError(f"max_requests must be >= 1, got {max_requests}.")
         self.max_requests = int(max_requests)
         self.sps = sps
-        self.costs: StepCosts | None = None  # the scheduled modes' cost model, made by running()
-        self.gate = DraftGate()
+        self.costs: StepCosts | None = None  # the scheduled modes' cost model and gate, from running()
+        self.gate: DraftGate | None = None
         self._probes = 0  # probes so far (each drafts for the next request in turn)
+        self._extend_ms = 0.0  # the last drafting step's context catch-up (ms; StepStats.extend_ms)
         self.requests: list[Request] = []
         self.stats = BatchStats()
         text = target.config.get_text_config(decoder=True)
@@ -204,7 +207,8 @@ class ConcurrentDecoder:
             if curve is None or curve.max_tokens < max(needed, self.max_requests):
                 curve = load_or_profile_sps(self.target, max_tokens=max(needed, self.max_requests))
                 self.drafter.set_sps_curve(curve)
-            self.sps, self.costs = curve, StepCosts(curve)
+            self.sps = curve
+            self.costs, self.gate = learnt_costs(self.drafter, curve, (self.block_size, self.mode, self.do_sample))
         return ragged_attention(self.target)
 
     # ---------------------------------------------------------------------------------------------- step
@@ -225,8 +229,11 @@ class ConcurrentDecoder:
             step = self.stats.steps[-1]
             step.step_ms = 1e3 * (time.perf_counter() - start)
             if self.costs is not None and not step.prefill:  # a probe's pass is not the pass for all requests
+                # the context catch-up after plain steps is left out: it prices the past steps, not this one
                 self.costs.observe(step.requests, step.step_ms - step.verify_ms - step.draft_ms,
-                                   step.draft_ms if step.drafted == step.requests else None)
+                                   step.draft_ms - step.extend_ms if step.drafted == step.requests else None)
+                self.gate.observe_step(step.requests, step.drafted, sum(map(len, emitted.values())),
+                                       step.step_ms - step.extend_ms)
         return emitted
 
     def _prefill(self, requests: list[Request]) -> dict[int, list[int]]:
@@ -255,7 +262,7 @@ class ConcurrentDecoder:
             drafting = self.gate.drafting_requests(self.costs, len(requests), context)
         chosen = requests if drafting == len(requests) else [requests[self._probes % len(requests)]] * drafting
         self._probes += drafting == 1 and len(requests) > 1
-        draft_start = time.perf_counter()
+        draft_start, self._extend_ms = time.perf_counter(), 0.0
         drafted = dict(zip(map(id, chosen), self._draft(chosen))) if chosen else {}
         blocks = [drafted.get(id(r)) for r in requests]
         draft_ms = 1e3 * (time.perf_counter() - draft_start)
@@ -266,7 +273,7 @@ class ConcurrentDecoder:
         predicted = self.costs.predict_ms(total, len(requests), context, drafting) if self.costs is not None else 0.0
         logits, hidden = self._forward(requests, segments, torch.arange(total))
         step = StepStats(len(requests), total, False, list(lengths), draft_ms, self._last_forward_ms,
-                         predicted_ms=predicted, drafted=drafting)
+                         predicted_ms=predicted, drafted=drafting, extend_ms=self._extend_ms)
         self.stats.steps.append(step)
         if self.costs is not None and self.sps.online:  # the curve learns this B at the requests' mean context
             self.sps.observe(total, context, step.verify_ms / 1e3)
@@ -290,7 +297,7 @@ class ConcurrentDecoder:
                 draft_ms=draft_ms / len(requests), verify_ms=step.verify_ms))
             emitted[request.index] = out
         if drafting and self.costs is not None:  # what the drafting requests got
-            self.gate.observe(drafting, sum(len(emitted[r.index]) for r, b in zip(requests, blocks) if b is not None)
+            self.gate.observe(len(requests), drafting, sum(len(emitted[r.index]) for r, b in zip(requests, blocks) if b is not None)
                               or drafting, sum(1 + n for n, b in zip(lengths, blocks) if b is not None) or drafting)
         return emitted
 
@@ -303,11 +310,13 @@ class ConcurrentDecoder:
         drafting = [r for r, g in zip(requests, gammas) if g > 0]
         if not drafting:
             return [None] * len(requests)
+        start = time.perf_counter()
         for request in drafting:  # the accepted positions' features join the context (paper Fig. 1)
             if request.pending:
                 features = torch.cat(request.pending, dim=1) if len(request.pending) > 1 else request.pending[0]
                 self.drafter.extend_context(request.context, features.to(self.drafter.context_proj.weight.device))
                 request.pending = []
+        self._extend_ms = 1e3 * (time.perf_counter() - start)
         ids = [torch.tensor([r.padding + r.ids]) for r in drafting] if self.processors is not None else None
         processors = [r.processors for r in drafting] if self.processors is not None else None
         blocks = iter(self.drafter.draft_many([r.context for r in drafting], [r.ids[-1] for r in drafting],

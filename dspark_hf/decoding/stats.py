@@ -108,6 +108,8 @@ class StepStats:
         prefill: whether it prefilled newly admitted requests.
         lengths: ``ℓ_r`` per request (empty for a prefill).
         draft_ms / verify_ms / step_ms: the drafter passes, the target forward, the whole step (ms).
+        extend_ms: the part of ``draft_ms`` that fed the features accepted since a request last drafted into its
+            drafter context (after plain steps, all of them at once: a catch-up, not this step's price).
         predicted_ms: the step time :class:`~dspark_hf.decoding.batch_costs.StepCosts` predicted before the
             forward (0 without a cost model, i.e. outside the scheduled modes, and for a prefill).
         drafted: requests the drafter ran for (the scheduled modes draft for none, or one as a probe, when plain
@@ -123,6 +125,7 @@ class StepStats:
     step_ms: float = 0.0
     predicted_ms: float = 0.0
     drafted: int = 0
+    extend_ms: float = 0.0
 
 
 @dataclass
