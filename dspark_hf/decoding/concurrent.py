@@ -31,7 +31,7 @@ import torch
 from ..modeling.modeling_dspark import DSparkDrafter
 from ..modeling.outputs import DraftBlock
 from ..runtime.kernels import is_prepacked, prepack_linears
-from ..runtime.profiling import load_or_profile_sps
+from ..runtime.profiling import ensure_sps_curve
 from ..runtime.ragged import RaggedBatch, RequestKV, ragged_attention, ragged_forward
 from .batch_costs import DraftGate, StepCosts, learnt_costs
 from .scheduler import schedule_batch
@@ -104,8 +104,9 @@ class ConcurrentDecoder:
             request ends there.
         max_requests: ``R``, the most requests in flight at once (:meth:`add` refuses more); the scheduled modes'
             SPS curve is profiled up to ``R·(γ+1)`` tokens (at most :data:`MAX_PROFILED_TOKENS`).
-        sps: the SPS curve the scheduled modes read (default: the drafter's when it covers those tokens, else
-            :func:`~dspark_hf.runtime.profiling.load_or_profile_sps`, at :meth:`running`'s start).
+        sps: the SPS curve the scheduled modes read when it covers those tokens (else, and by default,
+            :func:`~dspark_hf.runtime.profiling.ensure_sps_curve`: the drafter's, or the stored or newly measured
+            one, at :meth:`running`'s start).
 
     Raises:
         ValueError: an unknown mode, a mode the drafter cannot run (no confidence head, no calibration covering
@@ -202,13 +203,10 @@ class ConcurrentDecoder:
         (:func:`~dspark_hf.runtime.ragged.ragged_attention`); call :meth:`step` within it. The scheduled modes' SPS
         curve is loaded (or profiled) first, with the target's own attention."""
         if self.drafter is not None and POLICIES[self.mode].needs_calibration and self.costs is None:
-            needed = min(self.max_requests * (self.block_size + 1), MAX_PROFILED_TOKENS)
-            curve = self.sps or self.drafter.sps_curve
-            if curve is None or curve.max_tokens < max(needed, self.max_requests):
-                curve = load_or_profile_sps(self.target, max_tokens=max(needed, self.max_requests))
-                self.drafter.set_sps_curve(curve)
-            self.sps = curve
-            self.costs, self.gate = learnt_costs(self.drafter, curve, (self.block_size, self.mode, self.do_sample))
+            needed = max(min(self.max_requests * (self.block_size + 1), MAX_PROFILED_TOKENS), self.max_requests)
+            if self.sps is None or self.sps.max_tokens < needed:  # a curve passed in wins when it covers the batch
+                self.sps = ensure_sps_curve(self.target, self.drafter, needed)
+            self.costs, self.gate = learnt_costs(self.drafter, self.sps, (self.block_size, self.mode, self.do_sample))
         return ragged_attention(self.target)
 
     # ---------------------------------------------------------------------------------------------- step
