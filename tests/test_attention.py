@@ -10,7 +10,16 @@ from conftest import cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
 from transformers import DynamicCache
 
 from dspark_hf import SequentialTemperatureScaling
-from dspark_hf.runtime.attention import SDPA_GQA, sdpa_gqa_attention_forward, use_gqa_attention, uses_gqa_attention
+from dspark_hf.runtime.attention import (
+    FOLD_MAX_QUERIES,
+    SDPA_GQA,
+    fold_mask,
+    gqa_sdpa_mask,
+    sdpa_gqa_attention_forward,
+    use_gqa_attention,
+    uses_gqa_attention,
+)
+from dspark_hf.runtime.kv_cache import GrowingCache
 from dspark_hf.runtime.targets import kernels_label, load_target, use_cpu_kernels
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -71,6 +80,83 @@ def test_logits_match_stock_sdpa_with_left_padding(kv_heads):
     keep = full_mask.bool()  # padded positions' outputs are meaningless in both
     torch.testing.assert_close(logits["ours"][keep], logits["stock"][keep], rtol=1e-5, atol=1e-5)
     assert (logits["ours"][keep] - logits["stock"][keep]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (6, 3), (4, 1)])
+@pytest.mark.parametrize("q_len", [1, 3, 8])
+def test_mask_folded_once_per_forward_matches_reference(heads, kv_heads, q_len):
+    """The mask gqa_sdpa_mask hands every layer (additive, folded for the query heads of a group) gives the same
+    attention as the boolean mask it comes from; a fully masked query row stays finite."""
+    g = torch.Generator().manual_seed(heads + q_len)
+    batch, k_len, dim = 2, 13 + q_len, 8
+    q = torch.randn(batch, heads, q_len, dim, generator=g)
+    k, v = (torch.randn(batch, kv_heads, k_len, dim, generator=g) for _ in range(2))
+    mask = (torch.arange(k_len)[None, :] <= torch.arange(q_len)[:, None] + (k_len - q_len))[None, None]
+    mask = mask.expand(batch, 1, q_len, k_len).clone()
+    mask[0, :, :, :5] = False  # left padding
+    additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    folded = fold_mask(additive, heads // kv_heads)
+    assert folded.shape == (batch, 1, heads // kv_heads * q_len, k_len)
+    out, _ = sdpa_gqa_attention_forward(_Module(), q, k, v, folded)
+    torch.testing.assert_close(out, reference_attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    mask[1, :, 0] = False  # a query that sees nothing (a padded position): finite, not NaN
+    out, _ = sdpa_gqa_attention_forward(_Module(), q, k, v, fold_mask(
+        torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min), heads // kv_heads))
+    assert torch.isfinite(out).all()
+
+
+def test_gqa_sdpa_mask_folds_short_blocks_of_grouped_models_only():
+    """A block of up to FOLD_MAX_QUERIES queries of a GQA model: the stock mask made additive and repeated once per
+    query head of a group; prefill-sized blocks and models without grouped heads: the stock mask itself."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    def masks(config, q_length, kv_length=90):
+        padding = torch.ones(2, kv_length, dtype=torch.bool)
+        padding[0, :3] = False
+        args = dict(batch_size=2, q_length=q_length, kv_length=kv_length, q_offset=kv_length - q_length,
+                    kv_offset=0, mask_function=causal_mask_function, attention_mask=padding,
+                    allow_is_causal_skip=True, dtype=torch.float32, config=config)
+        return sdpa_mask(**args), gqa_sdpa_mask(**args)
+
+    gqa = tiny_llama(50, 16, 1, num_key_value_heads=1).config  # 4 query heads per K/V head
+    stock, ours = masks(gqa, 5)
+    assert stock.dtype == torch.bool and ours.shape == (2, 1, 4 * 5, 90) and ours.dtype == torch.float32
+    expected = torch.zeros(stock.shape).masked_fill(~stock, torch.finfo(torch.float32).min)
+    for j in range(4):
+        assert torch.equal(ours[:, :, 5 * j : 5 * (j + 1)], expected)
+    stock, ours = masks(gqa, FOLD_MAX_QUERIES + 1)
+    assert ours.dtype == torch.bool and torch.equal(ours, stock)
+    stock, ours = masks(tiny_llama(50, 16, 1, num_key_value_heads=4).config, 5)
+    assert torch.equal(ours, stock)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])  # 4 and 2 query heads per K/V head, and plain multi-head
+def test_logits_match_stock_through_crops_and_regrowth(kv_heads):
+    """This package's kernels (folded GQA attention and masks, GrowingCache) against stock sdpa + DynamicCache on a
+    left-padded batch: a prefill longer than FOLD_MAX_QUERIES, then blocks of 3, 8, 1 and 9 tokens with crops
+    between them (rejected drafts), as verification runs them."""
+    stock = tiny_llama(97, 32, 2, num_key_value_heads=kv_heads)
+    ours = use_cpu_kernels(copy.deepcopy(stock), prepack=False)
+    g = torch.Generator().manual_seed(kv_heads)
+    prompt = FOLD_MAX_QUERIES + 6
+    ids = torch.randint(1, 97, (2, prompt + 40), generator=g)
+    padding = torch.ones(2, prompt + 40, dtype=torch.long)
+    padding[1, :7] = 0
+    logits = {}
+    with torch.no_grad():
+        for name, model, cache in (("stock", stock, DynamicCache(config=stock.config)),
+                                   ("ours", ours, GrowingCache(config=ours.config))):
+            out, pos = [], 0
+            for n, crop in ((prompt, 0), (3, 2), (8, 5), (1, 0), (9, 0)):
+                out.append(model(input_ids=ids[:, pos : pos + n], attention_mask=padding[:, : pos + n],
+                                 cache=cache).logits)
+                pos += n - crop
+                if crop:
+                    cache.crop(-crop)
+            assert cache.get_seq_length() == pos == prompt + 14
+            logits[name] = torch.cat(out, 1)
+    keep = torch.cat([padding[:, :prompt], torch.ones(2, 21, dtype=torch.long)], 1).bool()
+    torch.testing.assert_close(logits["ours"][keep], logits["stock"][keep], rtol=1e-5, atol=1e-5)
 
 
 def test_only_sdpa_models_are_switched():

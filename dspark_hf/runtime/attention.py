@@ -1,16 +1,22 @@
-"""Grouped-query attention without copies under any mask: SDPA with ``enable_gqa=True``.
+"""Grouped-query attention without copies under any mask: SDPA over folded query heads, or ``enable_gqa=True``.
 
 transformers' ``sdpa`` attention expands the grouped K/V heads into full copies (``repeat_kv``) whenever a mask
 is passed on the CPU, and a verification block of ``B > 1`` tokens always has one. At context 2,048 that copy
 was 47 % of the target's forward for ``B = 8`` (SmolLM2-135M, 1 thread; issue 23), so verifying 8 tokens cost
-2.35× one token instead of ~1.1×. :func:`sdpa_gqa_attention_forward` hands the grouped heads to
-``torch.nn.functional.scaled_dot_product_attention(..., enable_gqa=True)`` instead, whose CPU kernels read each
-K/V head for its whole group of query heads.
+2.35× one token instead of ~1.1×. :func:`sdpa_gqa_attention_forward` never copies K/V: for a block of up to
+:data:`FOLD_MAX_QUERIES` queries it folds the ``g`` query heads of each K/V head into the query axis (``[B, H, q,
+D]`` -> ``[B, H_kv, g·q, D]``), so ``torch.nn.functional.scaled_dot_product_attention`` reads each K/V head once
+for one score product of ``g·q`` rows; longer blocks (prefill) use SDPA's ``enable_gqa=True``.
 
 It is registered as :data:`SDPA_GQA` through transformers' public ``AttentionInterface``, with
-``AttentionMaskInterface`` building the mask exactly as for ``"sdpa"``; :func:`use_gqa_attention` switches a
-model to it (``load_target`` does on the CPU unless ``stock_kernels=True``). Same maths as ``sdpa``: logits
-agree to float32 rounding.
+``AttentionMaskInterface`` building the mask as for ``"sdpa"`` and, for a short block, folding it once per forward
+(:func:`gqa_sdpa_mask`); :func:`use_gqa_attention` switches a model to it (``load_target`` does on the CPU unless
+``stock_kernels=True``). Same maths as ``sdpa``: logits agree to float32 rounding.
+
+What a B = 8 block costs over a long cache is the attention arithmetic itself: torch's CPU flash kernel runs the
+two score products at ~40 GFLOP/s on one core of the reference machine (its GEMMs reach ~90 in cache), and a
+hand-composed ``matmul`` + ``softmax`` + ``matmul`` was not faster at any measured shape
+(``docs/long/verify_cost.md``).
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ from transformers.masking_utils import sdpa_mask
 SDPA_GQA = "dspark_sdpa_gqa"  # the attn_implementation name registered by register_gqa_attention
 
 
+FOLD_MAX_QUERIES = 64  # fold the query heads of a group into rows for at most this many queries (not prefill)
+
+
 def sdpa_gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                attention_mask: torch.Tensor | None, dropout: float = 0.0,
                                scaling: float | None = None, is_causal: bool | None = None,
@@ -33,7 +42,9 @@ def sdpa_gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     Args:
         module: the attention module (its ``is_causal`` is read when ``is_causal`` is None).
         query: ``[B, H, q, D]``; key / value: ``[B, H_kv, k, D]`` with ``H`` a multiple of ``H_kv``.
-        attention_mask: ``[B, 1, q, k]`` boolean or additive mask built by ``sdpa_mask``, or ``None``.
+        attention_mask: ``[B, 1, q, k]`` boolean or additive mask built by ``sdpa_mask``, the same folded by
+            :func:`gqa_sdpa_mask` (``[B, 1, g·q, k]``, each query's row repeated for the ``g`` heads of a group),
+            a per-head ``[B, H, q, k]`` mask, or ``None``.
         dropout / scaling / is_causal: as for ``sdpa``.
         **kwargs: what transformers passes; a ``position_bias``, ``softcap`` or ``output_attentions`` request goes
             to the stock ``sdpa`` function (which handles or rejects them).
@@ -41,39 +52,72 @@ def sdpa_gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     Returns:
         ``(attn_output [B, q, H, D], None)``.
     """
+    q_length = query.shape[2]
+    folded = None
+    rows = 0 if attention_mask is None else attention_mask.shape[-2]
+    if rows > q_length and rows % q_length == 0:  # folded by gqa_sdpa_mask: its first q rows are the mask
+        folded, attention_mask = attention_mask, attention_mask.unflatten(-2, (-1, q_length))[:, :, 0]
     if kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None or kwargs.get("output_attentions"):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    q_length = query.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = q_length > 1 and attention_mask is None and causal  # as sdpa: a mask, when given, holds causality
     if causal and key.shape[2] > q_length:  # prefill into pre-sized storage: the keys past the query are padding
         key, value = key[:, :, :q_length], value[:, :, :q_length]
     batch, heads, _, head_dim = query.shape
     groups = heads // key.shape[1]
-    if groups > 1 and not causal and (attention_mask is None or attention_mask.shape[1] == 1):
-        query, attention_mask = _pack_groups(query, attention_mask, groups)
+    if (groups > 1 and not causal and q_length <= FOLD_MAX_QUERIES
+            and (attention_mask is None or attention_mask.shape[1] == 1)):
+        query = query.reshape(batch, heads // groups, groups * q_length, head_dim)
+        if folded is not None and folded.shape[-2] == groups * q_length:
+            attention_mask = folded
+        elif attention_mask is not None:
+            attention_mask = fold_mask(attention_mask, groups)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                          scale=scaling, is_causal=causal, enable_gqa=query.shape[1] != key.shape[1])
     return out.reshape(batch, heads, q_length, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
-def _pack_groups(query: torch.Tensor, mask: torch.Tensor | None, groups: int):
-    """Fold each K/V head's group of query heads into rows: query ``[B, H, q, D]`` -> ``[B, H_kv, groups·q, D]``
-    and a head-shared mask ``[B, 1, q, k]`` -> ``[B, 1, groups·q, k]`` (row ``j·q + i``: head ``j`` of the group,
-    query ``i``). Every K/V head is then read once for all its queries (15-20 % faster than ``enable_gqa`` for
-    a few queries over a long cache on a CPU)."""
-    batch, heads, q_length, head_dim = query.shape
-    packed = query.reshape(batch, heads // groups, groups * q_length, head_dim)
-    if mask is not None:
-        mask = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(mask.shape[0], 1, groups * q_length, -1)
-    return packed, mask
+def fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """A head-shared mask ``[B, 1, q, k]`` for the query heads of a group folded into rows: ``[B, 1, groups·q, k]``,
+    row ``j·q + i`` = query ``i`` (head ``j`` of the group), i.e. the mask repeated ``groups`` times.
+
+    Folding the ``groups`` query heads of a K/V head into the query axis (query ``[B, H, q, D]`` ->
+    ``[B, H_kv, groups·q, D]``) makes SDPA read each K/V head once, for one score product of ``groups·q`` rows
+    (15-20 % faster than ``enable_gqa`` for a few queries over a long cache on a CPU)."""
+    return mask[:, :, None].expand(-1, -1, groups, -1, -1).flatten(2, 3)
+
+
+def gqa_sdpa_mask(*args, config=None, dtype: torch.dtype = torch.float32, **kwargs) -> torch.Tensor | None:
+    """An ``AttentionMaskInterface`` function: ``sdpa_mask`` (same arguments), then, for a block of at most
+    :data:`FOLD_MAX_QUERIES` queries of a grouped-query model, the mask folded for :func:`sdpa_gqa_attention_forward`
+    once per forward instead of once per layer (:func:`fold_mask`) and made additive (``0`` where attended,
+    ``finfo(dtype).min`` where not), so SDPA does not convert it either: 4 % of a B = 8 verification at ctx 4,096
+    (SmolLM2-135M, 1 thread).
+
+    Returns:
+        ``None`` (no mask needed), the stock boolean mask ``[B, 1, q, k]``, or the folded additive mask
+        ``[B, 1, g·q, k]`` in ``dtype`` (``g = num_attention_heads / num_key_value_heads`` of ``config``).
+    """
+    mask = sdpa_mask(*args, config=config, dtype=dtype, **kwargs)
+    groups = _query_groups(config)
+    if mask is None or mask.dtype != torch.bool or groups == 1 or mask.shape[-2] > FOLD_MAX_QUERIES:
+        return mask
+    additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+    return fold_mask(additive, groups)
+
+
+def _query_groups(config) -> int:
+    """Query heads per K/V head in ``config`` (1 without a config or grouped heads)."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return heads // kv_heads if isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads == 0 else 1
 
 
 def register_gqa_attention() -> str:
     """Register :data:`SDPA_GQA` with transformers' attention and mask registries (idempotent); returns the name."""
     AttentionInterface.register(SDPA_GQA, sdpa_gqa_attention_forward)
-    AttentionMaskInterface.register(SDPA_GQA, sdpa_mask)
+    AttentionMaskInterface.register(SDPA_GQA, gqa_sdpa_mask)
     return SDPA_GQA
 
 
