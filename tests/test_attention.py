@@ -10,6 +10,7 @@ from conftest import cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
 from transformers import DynamicCache
 
 from dspark_hf import SequentialTemperatureScaling
+from dspark_hf.runtime import attention
 from dspark_hf.runtime.attention import (
     FOLD_MAX_QUERIES,
     SDPA_GQA,
@@ -84,9 +85,12 @@ def test_logits_match_stock_sdpa_with_left_padding(kv_heads):
 
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (6, 3), (4, 1)])
 @pytest.mark.parametrize("q_len", [1, 3, 8])
-def test_mask_folded_once_per_forward_matches_reference(heads, kv_heads, q_len):
+@pytest.mark.parametrize("fold", [True, False])  # False: the threads' split made the layer run unfolded
+def test_mask_folded_once_per_forward_matches_reference(heads, kv_heads, q_len, fold, monkeypatch):
     """The mask gqa_sdpa_mask hands every layer (additive, folded for the query heads of a group) gives the same
-    attention as the boolean mask it comes from; a fully masked query row stays finite."""
+    attention as the boolean mask it comes from, whether the layer folds its queries or not; a fully masked query
+    row stays finite."""
+    monkeypatch.setattr(attention, "_folding_pays", lambda *shape: fold)
     g = torch.Generator().manual_seed(heads + q_len)
     batch, k_len, dim = 2, 13 + q_len, 8
     q = torch.randn(batch, heads, q_len, dim, generator=g)
@@ -103,6 +107,14 @@ def test_mask_folded_once_per_forward_matches_reference(heads, kv_heads, q_len):
     out, _ = sdpa_gqa_attention_forward(_Module(), q, k, v, fold_mask(
         torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min), heads // kv_heads))
     assert torch.isfinite(out).all()
+
+
+def test_folding_only_where_it_splits_over_the_threads_as_evenly():
+    assert attention._folding_pays(1, 9, 3)  # one thread: always
+    torch.set_num_threads(2)  # the module's one_thread fixture restores its own value at the end
+    assert not attention._folding_pays(1, 9, 3)  # 3 K/V heads split 2 + 1, 9 query heads 5 + 4
+    assert attention._folding_pays(1, 16, 4) and attention._folding_pays(2, 9, 3)
+    torch.set_num_threads(1)
 
 
 def test_gqa_sdpa_mask_folds_short_blocks_of_grouped_models_only():
