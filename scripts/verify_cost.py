@@ -75,11 +75,15 @@ class _Clock(BaseStreamer):
 @torch.inference_mode()
 def decode_steps_ms(model, prompt_len: int, new_tokens: int) -> list[float]:
     """Milliseconds of each plain greedy decoding step after a ``prompt_len``-token prompt (the prefill step
-    excluded): the intervals between consecutive tokens of one ``generate`` call."""
+    excluded): the intervals between consecutive tokens of one ``generate`` call.
+
+    The prompt comes with the all-ones attention mask a tokenizer gives: without one, ``generate`` takes the random
+    prompt's 0 tokens for padding (``pad_token_id=0``) and masks them, so one prompt length ran the masked
+    attention path and another not (the 2,048-token prompt had two 0s, the 256-token one none; issue 23)."""
     prompt = torch.randint(1000, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
     clock = _Clock()
-    model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                   streamer=clock)
+    model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                   min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, streamer=clock)
     return [1e3 * (b - a) for a, b in zip(clock.times[1:], clock.times[2:])]
 
 
@@ -124,6 +128,68 @@ def capture_cost_ms(model, layers: list[int], ctx: int, repeats: int) -> tuple[f
     return 1e3 * statistics.median(times[False]), 1e3 * statistics.median(times[True])
 
 
+def _median_seconds(fn, repeats: int) -> float:
+    """Median wall-clock seconds of ``fn()`` over ``repeats`` calls after one untimed warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def machine_rates(model, ctx: int, block: int, repeats: int) -> tuple[float, float]:
+    """What one core reaches, for the roofline: ``(read GB/s, score-GEMM GFLOP/s)``.
+
+    Read: summing K/V-shaped storage of ``max(ctx, 4096)`` positions for every layer (189 MB for SmolLM2-135M,
+    more than the last-level cache holds, so from memory). GEMM: one layer's score product of a ``block``-token block with the query heads of each K/V
+    head folded into rows (``[H_kv, g·block, D] @ [H_kv, D, ctx]``), operands in cache: what the attention's
+    arithmetic could run at."""
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    storage = torch.randn(2 * config.num_hidden_layers, kv_heads, max(ctx, 4096), dim)
+    read = storage.numel() * storage.element_size() / _median_seconds(storage.sum, repeats)
+    q, k = torch.randn(kv_heads, heads // kv_heads * block, dim), torch.randn(kv_heads, dim, ctx)
+    gemm = 2 * q.shape[0] * q.shape[1] * dim * ctx / _median_seconds(lambda: torch.matmul(q, k), 10 * repeats)
+    return read / 1e9, gemm / 1e9
+
+
+def roofline_lines(model, table: dict, contexts, repeats: int) -> list[str]:
+    """Markdown: each context's measured growth of a B = 1 and a B = 8 forward over ctx ``contexts[0]`` against the
+    least the attention could add at the machine's rates (:func:`machine_rates`), and the B = 8 / B = 1 ratio a
+    kernel at those rates would give. Attention of ``B`` queries over ``n`` positions: ``4·L·H·B·n·D`` FLOPs and
+    ``2·L·H_kv·n·D`` K/V values read; its floor is the larger of FLOPs / GEMM rate and bytes / read rate."""
+    config = model.config
+    layers, heads, kv_heads = config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    read, gemm = machine_rates(model, max(contexts), 8, repeats)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    base = contexts[0]
+
+    def floor_ms(b, n):  # attention's least time for b queries over n positions
+        return 1e3 * max(4 * layers * heads * b * n * dim / (gemm * 1e9), 2 * layers * kv_heads * n * dim * 4 / (read * 1e9))
+
+    lines = ["", f"Roofline (`new` kernels; machine rates on this core: reading memory {read:.1f} GB/s, the folded "
+             f"B = 8 score GEMM in cache {gemm:.0f} GFLOP/s; the weights, {weights / 1e6:.0f} MB, stream at "
+             f"{weights / 1e6 / table['new', base, 1]:.1f} GB/s in a B = 1 step at ctx {base}). Growth of a forward "
+             f"over ctx {base}, measured / least at these rates (ms), and the B = 8 / B = 1 ratio measured / with an "
+             "attention kernel at these rates:", "",
+             "| ctx | K/V read MB | B=1 growth | B=8 attention GFLOP | B=8 growth | B=8 kernel GFLOP/s | B=8 / B=1 |",
+             "|---|---|---|---|---|---|---|"]
+    for n in contexts[1:]:
+        grow = {b: table["new", n, b] - table["new", base, b] for b in (1, 8)}
+        least = {b: floor_ms(b, n) - floor_ms(b, base) for b in (1, 8)}
+        flops = 4 * layers * heads * 8 * (n - base) * dim
+        ideal = (table["new", base, 8] + least[8]) / (table["new", base, 1] + least[1])
+        lines.append(f"| {n} | {2 * layers * kv_heads * n * dim * 4 / 1e6:.0f} | {grow[1]:.1f} / {least[1]:.1f} | "
+                     f"{4 * layers * heads * 8 * n * dim / 1e9:.2f} | {grow[8]:.1f} / {least[8]:.1f} | "
+                     f"{flops / grow[8] / 1e6:.0f} | {table['new', n, 8] / table['new', n, 1]:.2f} / {ideal:.2f} |")
+    return lines
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=1)
@@ -153,6 +219,8 @@ def main():
         if 1 in args.sizes and 8 in args.sizes:
             ratio = " / ".join(f"{table[n, ctx, 8] / table[n, ctx, 1]:.2f}" for n in models)
         lines.append(f"| {ctx} | " + " | ".join(cells) + f" | {ratio} |")
+    if 1 in args.sizes and 8 in args.sizes and len(args.contexts) > 1:
+        lines += roofline_lines(models["new"], table, args.contexts, args.repeats)
     decode = {}
     for prompt_len in args.decode_prompts:
         for name, m in models.items():
