@@ -28,8 +28,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 SDPA_GQA = "dspark_sdpa_gqa"  # the attn_implementation name registered by register_gqa_attention
-
-
 FOLD_MAX_QUERIES = 64  # fold the query heads of a group into rows for at most this many queries (not prefill)
 
 
@@ -84,7 +82,7 @@ def fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
 
     Folding the ``groups`` query heads of a K/V head into the query axis (query ``[B, H, q, D]`` ->
     ``[B, H_kv, groups·q, D]``) makes SDPA read each K/V head once, for one score product of ``groups·q`` rows
-    (15-20 % faster than ``enable_gqa`` for a few queries over a long cache on a CPU)."""
+    (10-22 % faster than ``enable_gqa`` for 1-8 queries over a 2k-4k cache on one CPU thread)."""
     return mask[:, :, None].expand(-1, -1, groups, -1, -1).flatten(2, 3)
 
 
