@@ -16,18 +16,22 @@ What is measured (paper §4; symbols as in :mod:`dspark_hf.decoding.calibration`
    came from lookup, DSpark and the target reported.
 5. The machine's SPS curve (one row per context length) and each drafter's cost per round (median draft ms vs
    verify ms), and the floor (issue #28): what a round that verifies the target's token alone costs against a
-   plain decoding step, taken apart (:func:`~dspark_hf.bench.analysis.prompt_floor`), with the drafter's context
-   extension over the prompt against the target's prefill.
+   plain decoding step, taken apart (:func:`~dspark_hf.bench.analysis.prompt_floor`), measured by pass 4 and
+   checked on the floor rounds of pass 2, with the drafter's context extension over the prompt against the
+   target's prefill.
 
 Layout: suites (prompt sources) -> pure metrics -> runner -> report (JSON, Markdown, PNG). The runner
-works on token ids only, so tests drive it with a tiny random model. It makes three passes over the prompts:
+works on token ids only, so tests drive it with a tiny random model. It makes four passes over the prompts:
 
 1. one fixed-length generation at T = 1 per drafter and prompt (τ and acceptance at T = 1);
 2. every timed greedy method but the threshold mode, interleaved prompt by prompt; the ``<drafter>:fixed``
    runs double as the greedy fixed-length rounds (greedy decoding is deterministic), which give greedy τ,
    acceptance, calibration and the threshold sweep;
 3. the threshold mode at the best t of that sweep, interleaved with plain again; skipped when the best t
-   is 0, which keeps every draft and so is the fixed mode.
+   is 0, which keeps every draft and so is the fixed mode;
+4. the floor (issue #28): each drafter's default method with drafting forced off, interleaved with plain
+   ``generate`` ``--floor-repeats`` times per prompt, so that what a round verifying the target's token alone costs
+   against a plain step rests on every token of those runs (:func:`floor_pass`).
 
 Suites: ``code`` = HumanEval; ``chat`` = held-out ShareGPT (``sharegpt_prompts("test")``, never
 train/validation/calibration) minus the math ones; ``math`` = the held-out ShareGPT conversations that
@@ -36,7 +40,7 @@ train/validation/calibration) minus the math ones; ``math`` = the held-out Share
 
 Budget of the defaults (``BenchSettings``: 4 prompts per suite, 96 new tokens, three drafters) on a 2-core
 CPU where plain greedy runs at ~20 tok/s: 3 + 12 (+ 3) generations per prompt (two of them the ``+lookup``
-hybrids), 12 prompts x ~15 generations x ~5 s ≈ 14-17 min. ``--limit N`` is a quick run at 32 new tokens (see :func:`settings_from_args`).
+hybrids), 12 prompts x ~15 generations x ~5 s ≈ 14-17 min, and the floor pass 2 x (1 + 2) more per prompt (~3 min). ``--limit N`` is a quick run at 32 new tokens (see :func:`settings_from_args`).
 """
 from __future__ import annotations
 
