@@ -173,7 +173,7 @@ def test_prompt_floor_takes_a_floor_round_apart():
     ]
     run = Run(tokens=[1] * 9, seconds=0.2, stats=GenerationStats(rounds=rounds),
               forward_ms=[120.0, 30.0, 20.0, 22.0, 28.0, 19.0])
-    floor = prompt_floor(plain, run)
+    floor = prompt_floor([plain], [run])
     assert floor["floor_rounds"] == 2
     assert floor["round_ms"] == 23.0 and floor["forward_ms"] == 21.0 and floor["plan_ms"] == 0.625
     assert floor["loop_ms"] == pytest.approx((22 - 20 - 0.75 + 24 - 22 - 1.0) / 2)
@@ -182,11 +182,23 @@ def test_prompt_floor_takes_a_floor_round_apart():
     assert floor["context_ms_per_token"] == pytest.approx(0.2)  # the prompt's extension left out
     assert floor["prefill_ms"] == 120.0 and floor["prefill_extension_ms"] == 30.0
     rounds_without_floor = GenerationStats(rounds=[rounds[0], rounds[3]])
-    assert prompt_floor(plain, Run([1], 0.1, rounds_without_floor, forward_ms=[1.0, 2.0, 3.0])) is None
-    assert prompt_floor(plain, Run([1], 0.1, run.stats, forward_ms=[1.0, 2.0])) is None  # forwards do not line up
-    summary = floor_summary([floor, None, {**floor, "ratio": 1.5, "floor_rounds": 1}])
+    assert prompt_floor([plain], [Run([1], 0.1, rounds_without_floor, forward_ms=[1.0, 2.0, 3.0])]) is None
+    misaligned = Run([1], 0.1, run.stats, forward_ms=[1.0, 2.0])  # forwards do not line up: left out
+    assert prompt_floor([plain], [misaligned]) is None
+    # the floor pass pools repeated runs: rounds of both runs, steps of both plain runs, prefills' median
+    again = Run(tokens=[1] * 9, seconds=0.2, stats=GenerationStats(rounds=[
+        RoundStats(drafted=0, scheduled=0, round_ms=30.0, plan_ms=1.0, bookkeeping_ms=0.5),
+        RoundStats(drafted=0, scheduled=0)]), forward_ms=[140.0, 27.0, 18.0])
+    plain2 = Run(tokens=[1] * 3, seconds=0.1, forward_ms=[90.0, 23.0, 25.0], step_ms=[24.0])
+    pooled = prompt_floor([plain, plain2], [run, misaligned, again])
+    assert pooled["floor_rounds"] == 3 and pooled["round_ms"] == 24.0 and pooled["forward_ms"] == 22.0
+    assert pooled["plain_step_ms"] == 21.5 and pooled["plain_forward_ms"] == 20.5  # steps 20 21 22 24; 19 19 20 21 23 25
+    assert pooled["ratio"] == pytest.approx(24 / 21.5) and pooled["prefill_ms"] == 130.0
+    assert pooled["prefill_extension_ms"] == 30.0  # only the first run drafted
+    summary = floor_summary({"p": floor, "q": None, "r": {**floor, "ratio": 1.5, "floor_rounds": 1}})
     assert summary["prompts"] == 2 and summary["floor_rounds"] == 3 and summary["worst_ratio"] == 1.5
-    assert floor_summary([None]) is None
+    assert summary["worst_prompt"] == "r" and summary["per_prompt"] == {"p": pytest.approx(23 / 21), "r": 1.5}
+    assert floor_summary({"p": None}) is None
 
 
 def test_low_acceptance_suite_is_held_out_chat():
@@ -280,11 +292,20 @@ def test_runner_end_to_end(tmp_path):
                          "tau_ratio_dspark_over_dflash", "tau_ratios", "tau", "conditional_acceptance",
                          "confidence", "wall_clock", "builtin_dflash", "sps", "round_cost", "notes",
                          "runtime_s"]  # benchmarks.json's keys; "plots" once written
-    assert keys[16:] in ([], ["floor_cost"])  # the floor, when a lookup method verified the target's token alone
+    assert keys[16:] in (["floor_pass"], ["floor_cost", "floor_pass"])  # in-run floor rounds when there were any
     for per_suite in (result.floor_cost or {}).values():
         for floor in per_suite.values():
             assert floor.round_ms == pytest.approx(floor.forward_ms + floor.plan_ms + floor.bookkeeping_ms
                                                    + floor.loop_ms, rel=0.5)  # medians of sums, roughly
+    # pass 4, the floor: each default (the +lookup hybrids) with drafting off, every token after the prefill's a floor
+    # round (the last of each run left out), pooled over 2 runs of every prompt
+    assert set(result.floor_pass) == {"dspark:scheduler+lookup", "dspark-rnn:scheduler+lookup"}
+    for per_suite in result.floor_pass.values():
+        assert set(per_suite) == {"a", "b"}
+        assert per_suite["a"].prompts == 2 and per_suite["a"].floor_rounds == 2 * 2 * (12 - 2)
+        assert per_suite["b"].worst_prompt == "b0" and per_suite["b"].per_prompt == {"b0": per_suite["b"].ratio}
+        assert per_suite["b"].prefill_extension_ms is None  # the drafter never ran
+    assert result.settings.floor_repeats == 2
     assert list(result.sps.ms_per_step_by_context) == [str(c) for c in sps.rows]
     assert result.sps.ms_per_step_by_context[str(sps.context_len)] == pytest.approx(result.sps.ms_per_step)
     assert result.settings.gamma == 3 and result.settings.math_filter.max_chars > 0
@@ -338,6 +359,7 @@ def test_runner_end_to_end(tmp_path):
     markdown = (tmp_path / "benchmarks.md").read_text()
     assert markdown.startswith("# dspark bench") and "min per-prompt speedup" in markdown
     assert "**Every prompt** (all suites)" in markdown
+    assert "**The floor** (pass 4)" in markdown and "| dspark:scheduler+lookup · b | 1 | 20 |" in markdown
     # issue 26: the threshold row's speedup is against pass 3's own plain run, whose tok/s the table now states
     threshold = wall.suites["a"]["dspark:threshold"]
     own_plain = threshold.median_tokens_per_s / threshold.speedup_of_medians

@@ -37,6 +37,7 @@ from transformers.generation.streamers import BaseStreamer
 import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
 from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling, prepack_linears
 from dspark_hf.decoding.calibration import OnlineCorrection
+from dspark_hf.decoding.candidate_generator import floor_rounds
 from dspark_hf.decoding.lookup import LookupDrafting, RoundPlan, find_continuation
 from dspark_hf.decoding.scheduler import schedule_global, schedule_prefix, threshold_prefix
 from dspark_hf.modeling.limits import MAX_BLOCK_SIZE
@@ -870,3 +871,37 @@ def test_sampling_is_exact_through_a_plain_stretch(sampling_setup, monkeypatch):
     for name, counts, law in (("(t2, t3)", tables[1], laws[1]), ("t3", tables[1].sum(0), laws[1].sum(0))):
         x2, df, p = chi_square(counts, law, N_SAMPLES)
         assert p > P_MIN, f"{name} chi-square {x2:.1f} on {df} df, p = {p:.2g}"
+
+
+@pytest.mark.parametrize(("mode", "lookup"), [("scheduler", True), ("async", None), ("fixed", False)])
+def test_floor_rounds_verify_the_target_token_alone(target, drafters, lookup_prompts, lookup_references, mode, lookup):
+    """Inside ``floor_rounds()`` (the bench's floor pass, issue #28) every round is planned, then verifies the target's
+    token alone: the output is plain greedy generate's, nothing is drafted, and drafting comes back outside."""
+    drafter = drafters["markov"]
+    for prompt, ref in zip(lookup_prompts, lookup_references):
+        with floor_rounds():
+            out = generate(target, prompt, drafter, mode, 4, max_new=LOOKUP_NEW, dspark_lookup=lookup)
+        assert torch.equal(out, ref)  # plain decoding's steps: identical, not merely up to ties
+        rounds = drafter.last_stats.rounds
+        assert len(rounds) == LOOKUP_NEW - 1  # one round per token after the prefill's
+        assert all(r.drafted == r.scheduled == r.accepted == r.lookup == r.context_tokens == 0 for r in rounds)
+        if mode != "fixed":  # the planner ran in every round that had room for a draft
+            assert all(r.plan_ms > 0 for r in rounds[:-1])
+    generate(target, lookup_prompts[0], drafter, mode, 4, max_new=LOOKUP_NEW, dspark_lookup=lookup)
+    assert any(r.drafted for r in drafter.last_stats.rounds)
+
+
+def test_floor_rounds_sample_as_plain_generate(sampling_setup):
+    """Sampling inside ``floor_rounds()`` draws each token as plain sampling does (one multinomial draw of the target's
+    processed law per token, nothing else drawn): the same seed gives the same tokens, so the law is exact."""
+    target, prompt, _ = sampling_setup
+    drafter = sampling_drafter(target)
+    for seed in range(5):
+        torch.manual_seed(seed)
+        ref = target.generate(prompt, max_new_tokens=8, do_sample=True, temperature=0.7, top_k=None)
+        torch.manual_seed(seed)
+        with floor_rounds():
+            out = target.generate(prompt, max_new_tokens=8, do_sample=True, temperature=0.7, top_k=None,
+                                  assistant_model=drafter, dspark_verification="async", dspark_lookup=True)
+        assert torch.equal(out, ref), seed
+        assert all(r.drafted == 0 for r in drafter.last_stats.rounds)

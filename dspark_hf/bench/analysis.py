@@ -4,7 +4,7 @@ the calibration summary, and small statistics. τ and conditional acceptance are
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -90,44 +90,52 @@ def confidence_summary(confidences: Sequence[Sequence[float]], accepted: Sequenc
     }
 
 
-def prompt_floor(plain, run) -> dict | None:
-    """The floor of one prompt (issue #28): the rounds of ``run`` that verified the target's token alone (nothing
-    drafted, the drafter not run) against the decoding steps of ``plain`` on the same prompt, taken apart.
+def prompt_floor(plains, runs) -> dict | None:
+    """The floor of one prompt (issue #28): the rounds of ``runs`` that verified the target's token alone (nothing
+    drafted, the drafter not run) against the decoding steps of ``plains`` on the same prompt, taken apart, pooled
+    over the runs given (the floor pass repeats each prompt; the wall-clock pass gives one run of each).
 
     Args:
-        plain: the prompt's plain ``generate`` :class:`~dspark_hf.evaluation.runs.Run`.
-        run: a DSpark run of the same prompt (``run.stats`` set, one forward per round after the prefill).
+        plains: the prompt's plain ``generate`` :class:`~dspark_hf.evaluation.runs.Run` s.
+        runs: DSpark runs of the same prompt (``run.stats`` set, one forward per round after the prefill).
 
     Returns:
-        ``None`` when ``run`` had no such round (or its forwards do not line up with its rounds), else medians in
-        ms over its floor rounds (the last round, whose wall clock is not recorded, left out): ``floor_rounds``,
-        ``round_ms`` (a round's whole wall clock), ``forward_ms`` (the target's forward, hidden states captured),
-        ``plan_ms`` (the lookup planner), ``bookkeeping_ms`` (features collected, costs learnt, online updates),
-        ``loop_ms`` (the rest: transformers' assisted loop: attention mask and inputs, acceptance, the cache crop,
-        stopping); the plain steps' ``plain_step_ms``, ``plain_forward_ms`` and ``plain_loop_ms`` (step minus
-        forward); ``ratio`` = ``round_ms / plain_step_ms``; ``context_ms_per_token`` (what the drafter's context
-        extension costs per position, paid in the next drafted round: every floor round leaves one position to
-        append; the first extension, over the prompt, left out); and the prefill: ``prefill_ms`` (the target's)
-        and ``prefill_extension_ms`` (the drafter's context extension over the prompt's positions, in the first
-        round that drafts).
+        ``None`` when no run had such a round (runs whose forwards do not line up with their rounds are left out),
+        else medians in ms over the floor rounds of all runs (each run's last round, whose wall clock is not
+        recorded, left out): ``floor_rounds``, ``round_ms`` (a round's whole wall clock), ``forward_ms`` (the
+        target's forward, hidden states captured), ``plan_ms`` (the lookup planner), ``bookkeeping_ms`` (features
+        collected, costs learnt, online updates), ``loop_ms`` (the rest: transformers' assisted loop: attention mask
+        and inputs, acceptance, the cache crop, stopping); over the steps of all plain runs, ``plain_step_ms``,
+        ``plain_forward_ms`` and ``plain_loop_ms`` (step minus forward); ``ratio`` = ``round_ms / plain_step_ms``;
+        ``context_ms_per_token`` (what the drafter's context extension costs per position, paid in the next drafted
+        round: every floor round leaves one position to append; each run's first extension, over the prompt, left
+        out; ``None`` when no run drafted twice); and the prefill (medians over runs): ``prefill_ms`` (the
+        target's) and ``prefill_extension_ms`` (the drafter's context extension over the prompt's positions, in
+        the first round that drafts; ``None`` when no run drafted).
     """
-    rounds, forwards = run.stats.rounds, run.forward_ms[1:]
-    if len(forwards) != len(rounds) or not plain.step_ms:
+    steps = [ms for plain in plains for ms in plain.step_ms]
+    plain_forwards = [ms for plain in plains for ms in plain.forward_ms[1:]]
+    parts = {"round_ms": [], "forward_ms": [], "plan_ms": [], "bookkeeping_ms": [], "loop_ms": []}
+    later, prefills, first_extensions = [], [], []
+    for run in runs:
+        rounds, forwards = run.stats.rounds, run.forward_ms[1:]
+        if len(forwards) != len(rounds):
+            continue
+        for r, forward in zip(rounds[:-1], forwards):
+            if r.drafted == 0:
+                parts["round_ms"].append(r.round_ms)
+                parts["forward_ms"].append(forward)
+                parts["plan_ms"].append(r.plan_ms)
+                parts["bookkeeping_ms"].append(r.bookkeeping_ms)
+                parts["loop_ms"].append(r.round_ms - forward - r.plan_ms - r.bookkeeping_ms)
+        extensions = [r for r in rounds if r.context_tokens > 0]
+        later += extensions[1:]
+        first_extensions += [extensions[0].context_ms] if extensions else []
+        prefills += run.forward_ms[:1]
+    if not parts["round_ms"] or not steps:
         return None
-    floor = [i for i, r in enumerate(rounds[:-1]) if r.drafted == 0]
-    if not floor:
-        return None
-    extensions = [r for r in rounds if r.context_tokens > 0]
-    later = extensions[1:]
-    plain_step, plain_forward = median(plain.step_ms), median(plain.forward_ms[1:])
-    parts = {
-        "round_ms": [rounds[i].round_ms for i in floor],
-        "forward_ms": [forwards[i] for i in floor],
-        "plan_ms": [rounds[i].plan_ms for i in floor],
-        "bookkeeping_ms": [rounds[i].bookkeeping_ms for i in floor],
-        "loop_ms": [rounds[i].round_ms - forwards[i] - rounds[i].plan_ms - rounds[i].bookkeeping_ms for i in floor],
-    }
-    out = {"floor_rounds": len(floor), **{k: median(v) for k, v in parts.items()}}
+    out = {"floor_rounds": len(parts["round_ms"]), **{k: median(v) for k, v in parts.items()}}
+    plain_step, plain_forward = median(steps), median(plain_forwards)
     out.update(
         plain_step_ms=plain_step,
         plain_forward_ms=plain_forward,
@@ -135,19 +143,23 @@ def prompt_floor(plain, run) -> dict | None:
         ratio=out["round_ms"] / plain_step,
         context_ms_per_token=(sum(r.context_ms for r in later) / sum(r.context_tokens for r in later)
                               if later else None),
-        prefill_ms=run.forward_ms[0] if run.forward_ms else None,
-        prefill_extension_ms=extensions[0].context_ms if extensions else None,
+        prefill_ms=median(prefills),
+        prefill_extension_ms=median(first_extensions),
     )
     return out
 
 
-def floor_summary(per_prompt: Sequence[dict | None]) -> dict | None:
-    """Medians over prompts of :func:`prompt_floor`'s values (``floor_rounds`` summed), the worst ``ratio`` as
-    ``worst_ratio`` and the number of ``prompts`` that had floor rounds; ``None`` when none had."""
-    rows = [p for p in per_prompt if p is not None]
+def floor_summary(per_prompt: Mapping[str, dict | None]) -> dict | None:
+    """Medians over prompts of :func:`prompt_floor`'s values (``{prompt id: its floor}``; ``floor_rounds`` summed),
+    the worst ``ratio`` as ``worst_ratio`` on ``worst_prompt``, the number of ``prompts`` that had floor rounds and
+    each one's ratio (``per_prompt``); ``None`` when none had."""
+    rows = {i: p for i, p in per_prompt.items() if p is not None}
     if not rows:
         return None
-    out = {k: median([r[k] for r in rows]) for k in rows[0] if k != "floor_rounds"}
-    out.update(prompts=len(rows), floor_rounds=sum(r["floor_rounds"] for r in rows),
-               worst_ratio=max(r["ratio"] for r in rows))
+    first = next(iter(rows.values()))
+    out = {k: median([r[k] for r in rows.values()]) for k in first if k != "floor_rounds"}
+    worst = max(rows, key=lambda i: rows[i]["ratio"])
+    out.update(prompts=len(rows), floor_rounds=sum(r["floor_rounds"] for r in rows.values()),
+               worst_ratio=rows[worst]["ratio"], worst_prompt=worst,
+               per_prompt={i: r["ratio"] for i, r in rows.items()})
     return out

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from ..decoding.candidate_generator import floor_rounds
 from ..decoding.lookup import lookup_missing
 from ..decoding.verification import POLICIES, runnable_modes
 from ..evaluation.runs import Run
@@ -105,19 +107,23 @@ class Method:
         drafter: the DSpark drafter's name, or ``None``.
         kwargs: extra ``generate`` keyword arguments.
         adapter: the :class:`BuiltinDFlashAdapter` of a built-in DFlash method.
+        floor: run with drafting forced off (:func:`~dspark_hf.decoding.candidate_generator.floor_rounds`: every
+            round verifies the target's token alone), for the floor pass.
     """
 
     name: str
     drafter: str | None = None
     kwargs: dict = field(default_factory=dict)
     adapter: BuiltinDFlashAdapter | None = None
+    floor: bool = False
 
     def run(self, target, ids, max_new_tokens, drafters, seed=0) -> Run:
         """One timed greedy ``generate`` of ``ids`` (a :class:`BuiltinRun` for the built-in DFlash path)."""
         from ..evaluation.runs import timed_generate
 
         drafter = drafters[self.drafter] if self.drafter and self.adapter is None else None
-        run = timed_generate(target, ids, max_new_tokens, 0.0, drafter, seed=seed, **self.kwargs)
+        with floor_rounds() if self.floor else contextlib.nullcontext():
+            run = timed_generate(target, ids, max_new_tokens, 0.0, drafter, seed=seed, **self.kwargs)
         if self.adapter is None:
             return run
         return BuiltinRun(**{f.name: getattr(run, f.name) for f in fields(run)}, builtin_rounds=self.adapter.rounds)
@@ -162,6 +168,12 @@ def plan_methods(drafters: dict, adapters: dict, settings: BenchSettings) -> lis
             methods.append(Method(f"{name}:{mode}+lookup", name, {
                 "dspark_verification": mode, "dspark_block_size": settings.gamma, "dspark_lookup": True}))
     return methods
+
+
+def floor_methods(methods: list[Method]) -> list[Method]:
+    """The floor pass's arms (issue #28): each drafter's default method, its hybrid with prompt lookup
+    (``<drafter>:<mode>+lookup``, :func:`lookup_mode_of`), run with drafting forced off (``floor=True``)."""
+    return [replace(m, floor=True) for m in methods if m.drafter is not None and m.kwargs.get("dspark_lookup")]
 
 
 def threshold_methods(thresholds: dict, settings: BenchSettings) -> list[Method]:

@@ -16,18 +16,22 @@ What is measured (paper §4; symbols as in :mod:`dspark_hf.decoding.calibration`
    came from lookup, DSpark and the target reported.
 5. The machine's SPS curve (one row per context length) and each drafter's cost per round (median draft ms vs
    verify ms), and the floor (issue #28): what a round that verifies the target's token alone costs against a
-   plain decoding step, taken apart (:func:`~dspark_hf.bench.analysis.prompt_floor`), with the drafter's context
-   extension over the prompt against the target's prefill.
+   plain decoding step, taken apart (:func:`~dspark_hf.bench.analysis.prompt_floor`), measured by pass 4 and
+   checked on the floor rounds of pass 2, with the drafter's context extension over the prompt against the
+   target's prefill.
 
 Layout: suites (prompt sources) -> pure metrics -> runner -> report (JSON, Markdown, PNG). The runner
-works on token ids only, so tests drive it with a tiny random model. It makes three passes over the prompts:
+works on token ids only, so tests drive it with a tiny random model. It makes four passes over the prompts:
 
 1. one fixed-length generation at T = 1 per drafter and prompt (τ and acceptance at T = 1);
 2. every timed greedy method but the threshold mode, interleaved prompt by prompt; the ``<drafter>:fixed``
    runs double as the greedy fixed-length rounds (greedy decoding is deterministic), which give greedy τ,
    acceptance, calibration and the threshold sweep;
 3. the threshold mode at the best t of that sweep, interleaved with plain again; skipped when the best t
-   is 0, which keeps every draft and so is the fixed mode.
+   is 0, which keeps every draft and so is the fixed mode;
+4. the floor (issue #28): each drafter's default method with drafting forced off, interleaved with plain
+   ``generate`` ``--floor-repeats`` times per prompt, so that what a round verifying the target's token alone costs
+   against a plain step rests on every token of those runs (:func:`~dspark_hf.bench.floor.floor_pass`).
 
 Suites: ``code`` = HumanEval; ``chat`` = held-out ShareGPT (``sharegpt_prompts("test")``, never
 train/validation/calibration) minus the math ones; ``math`` = the held-out ShareGPT conversations that
@@ -36,7 +40,7 @@ train/validation/calibration) minus the math ones; ``math`` = the held-out Share
 
 Budget of the defaults (``BenchSettings``: 4 prompts per suite, 96 new tokens, three drafters) on a 2-core
 CPU where plain greedy runs at ~20 tok/s: 3 + 12 (+ 3) generations per prompt (two of them the ``+lookup``
-hybrids), 12 prompts x ~15 generations x ~5 s ≈ 14-17 min. ``--limit N`` is a quick run at 32 new tokens (see :func:`settings_from_args`).
+hybrids), 12 prompts x ~15 generations x ~5 s ≈ 14-17 min, and the floor pass 2 x (1 + 2) more per prompt (~3 min). ``--limit N`` is a quick run at 32 new tokens (see :func:`settings_from_args`).
 """
 from __future__ import annotations
 
@@ -67,16 +71,16 @@ from .analysis import (
     best_threshold,
     confidence_summary,
     first_divergence,
-    floor_summary,
     median,
-    prompt_floor,
     threshold_sweep,
 )
+from .floor import floor_costs, floor_pass
 from .loading import DrafterSource, _log_default
 from .methods import (
     Method,
     builtin_adapters,
     describe_drafter,
+    floor_methods,
     merge_threshold_methods,
     plan_methods,
     rounds_of,
@@ -231,22 +235,6 @@ def round_costs(records: dict, methods: list[Method]) -> dict:
     return costs
 
 
-def floor_costs(records: dict, methods: list[Method]) -> dict:
-    """The floor of every DSpark method that had rounds verifying the target's token alone (issue #28), per suite:
-    ``{method: {suite: floor_summary(...)}}`` (:func:`~dspark_hf.bench.analysis.prompt_floor` per prompt against
-    that prompt's plain run); methods and suites without such rounds are left out."""
-    costs = {}
-    for method in methods:
-        if method.drafter is None or method.adapter is not None:
-            continue
-        per_suite = {suite: floor_summary([prompt_floor(p["runs"]["plain"], p["runs"][method.name]) for p in prompts])
-                     for suite, prompts in records.items()}
-        per_suite = {suite: v for suite, v in per_suite.items() if v is not None}
-        if per_suite:
-            costs[method.name] = per_suite
-    return costs
-
-
 def step_seconds_table(sps, draft_ms: float | None, gamma: int) -> list[float] | None:
     """``[draft + 1 / SPS(ℓ + 1) for ℓ = 0..γ]`` in seconds (``None`` when the curve is too short)."""
     if sps is None or len(sps.steps_per_s) < gamma + 1:
@@ -377,9 +365,16 @@ def _run_passes(target, drafters: dict, suites: dict, settings: BenchSettings, s
         mismatches += more_mismatches
         costs.update(round_costs(extra, timed))
         notes.append("Threshold-mode speedups are measured against a plain run interleaved with them in pass 3.")
+
+    # Pass 4: the floor, the default methods with drafting forced off, interleaved with plain.
+    if settings.floor_repeats and floor_methods(methods):
+        log(f"[bench] pass 4: the floor of {', '.join(m.name for m in floor_methods(methods))} with drafting off, "
+            f"against plain, {settings.floor_repeats} times per prompt")
+    floor_passed, floor_mismatches = floor_pass(target, drafters, methods, suites, settings, log)
+    mismatches += floor_mismatches
     return {"stats": stats, "records": records, "taus": taus, "cond": cond, "ratios": ratios,
             "confidence": confidence, "thresholds": thresholds, "methods": methods, "wall": wall,
-            "mismatches": mismatches, "costs": costs, "floor": floor, "builtin": builtin}
+            "mismatches": mismatches, "costs": costs, "floor": floor, "floor_pass": floor_passed, "builtin": builtin}
 
 
 def _bench_result(target, suites: dict, settings: BenchSettings, sps, passes: dict, command: str, notes: list[str],
@@ -411,6 +406,7 @@ def _bench_result(target, suites: dict, settings: BenchSettings, sps, passes: di
         sps=SPSRecord.from_curve(sps),
         round_cost={m: RoundCost(**c) for m, c in passes["costs"].items()},
         floor_cost={m: {s: FloorCost(**c) for s, c in per.items()} for m, per in passes["floor"].items()},
+        floor_pass={m: {s: FloorCost(**c) for s, c in per.items()} for m, per in passes["floor_pass"].items()} or None,
         notes=notes,
         runtime_s=runtime_s,
     )

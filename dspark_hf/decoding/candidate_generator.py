@@ -27,6 +27,9 @@ every token of a verified round and the output is cut at the first stop, as plai
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +40,7 @@ from ..modeling.modeling_dspark import DSparkDrafter
 from ..runtime.kernels import is_prepacked, prepack_linears
 from ..runtime.profiling import ensure_sps_curve
 from .calibration import OnlineCorrection
-from .lookup import LookupDrafting, lookup_enabled, one_hot_logits
+from .lookup import LookupDrafting, RoundPlan, lookup_enabled, one_hot_logits
 from .settings import call_block_size
 from .stats import GenerationStats, RoundStats, publish_stats
 from .verification import POLICIES, unmet_need
@@ -134,6 +137,25 @@ def prepare_call(target, drafter: DSparkDrafter, generation_config) -> CallSetti
     return settings
 
 
+_FLOOR_ROUNDS: ContextVar[bool] = ContextVar("dspark_floor_rounds", default=False)
+_TARGET_ROUND = RoundPlan("target", (), 0)  # nothing drafted: the target verifies the anchor alone
+
+
+@contextmanager
+def floor_rounds() -> Iterator[None]:
+    """Inside this block, every round of a one-row DSpark ``generate`` verifies only the target's own token: each
+    round is planned as usual (prompt lookup, the planner's estimates) and then proposes nothing, so the call runs
+    the loop's floor, the round a plan of ``"target"`` makes (issue #28), on every token, and its output is plain
+    ``generate``'s (greedy or sampled). For measuring what that round costs against a plain decoding step
+    (``dspark bench``'s floor pass, :mod:`dspark_hf.bench.runner`); not a decoding mode. Read when the call's
+    candidate generator is built; context-local (each thread and asyncio task sees its own)."""
+    token = _FLOOR_ROUNDS.set(True)
+    try:
+        yield
+    finally:
+        _FLOOR_ROUNDS.reset(token)
+
+
 @dataclass
 class _Proposal:
     """What a round proposes for verification (:meth:`DSparkCandidateGenerator._propose`)."""
@@ -196,6 +218,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.context = drafter.new_context()
         self._pending: list[torch.Tensor] = []  # target features not yet in the context (added before a draft)
         self._known = 0  # positions in the context or pending
+        self.floor = _FLOOR_ROUNDS.get()  # every round verifies the target's token alone (:func:`floor_rounds`)
         self.stats = GenerationStats(verification=self.mode)
         publish_stats(drafter, self.stats)
         self._verify_start = None
@@ -225,6 +248,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
             return input_ids, None
         # 2. plan (prompt lookup, before any drafting), 3. propose, 4. record the round
         plan = self.lookup.plan(input_ids, gamma, self.max_length - input_ids.shape[1] - 1) if self.lookup is not None else None
+        if self.floor:  # planned, then overruled (floor_rounds)
+            plan = _TARGET_ROUND
         plan_ms = 1e3 * (time.perf_counter() - start)
         proposal = self._propose(input_ids, gamma, plan)
         length = proposal.scheduled  # never looks at a draft's own value (Appendix A); stop strings act after verification

@@ -89,7 +89,8 @@ class RunSettings(Record):
         gamma: drafts per round γ. max_new_tokens: new tokens per generation. limit: prompts per suite at most.
         max_prompt_tokens: longer chat-formatted prompts were skipped. thresholds: static thresholds of the sweep.
         sampling_temperature: temperature of the ``t1`` τ pass. prompt_lookup_num_tokens: of the prompt-lookup
-        baseline. warmup_tokens: length of the untimed warm-up generation per method. math_filter: :class:`MathFilter`.
+        baseline. warmup_tokens: length of the untimed warm-up generation per method. floor_repeats: runs per prompt
+        of the floor pass (absent in older files). math_filter: :class:`MathFilter`.
     """
 
     gamma: int
@@ -100,6 +101,7 @@ class RunSettings(Record):
     sampling_temperature: float
     prompt_lookup_num_tokens: int
     warmup_tokens: int
+    floor_repeats: int | None = field(default=None, metadata={"omit_none": True})
     math_filter: MathFilter | None = None
 
 
@@ -301,7 +303,8 @@ class FloorCost(Record):
     ``round_ms`` = ``forward_ms`` (the target's forward, hidden states captured) + ``plan_ms`` (lookup planning)
     + ``bookkeeping_ms`` (DSpark's per-round work: features collected, costs learnt, online updates) + ``loop_ms``
     (transformers' assisted loop, the cache crop included); ``plain_step_ms`` = ``plain_forward_ms`` +
-    ``plain_loop_ms``; ``ratio`` = ``round_ms / plain_step_ms`` (median over prompts; ``worst_ratio`` the largest).
+    ``plain_loop_ms``; ``ratio`` = ``round_ms / plain_step_ms`` (median over prompts; ``worst_ratio`` the largest,
+    on ``worst_prompt``; ``per_prompt``: each prompt's, by id; both absent in older files).
     ``context_ms_per_token``: the drafter's context extension per position, paid in the next drafted round.
     ``prefill_ms`` / ``prefill_extension_ms``: the target's prefill and the drafter's context extension over the
     prompt (issue #23)."""
@@ -321,6 +324,8 @@ class FloorCost(Record):
     context_ms_per_token: float | None
     prefill_ms: float | None
     prefill_extension_ms: float | None
+    worst_prompt: str | None = field(default=None, metadata={"omit_none": True})
+    per_prompt: dict[str, float] | None = field(default=None, metadata={"omit_none": True})
 
 
 # ------------------------------------------------------------------------------------------- the result
@@ -340,8 +345,11 @@ class BenchResult(Record):
         confidence: ``{drafter: DrafterConfidence}`` for drafters with a confidence head.
         wall_clock: :class:`WallClock`. builtin_dflash: :class:`BuiltinDFlash`. sps: :class:`SPSRecord`.
         round_cost: ``{method: RoundCost}``. notes: what the reader should know about the run.
-        floor_cost: ``{method: {suite: FloorCost}}`` for methods with rounds that drafted nothing (absent in older
-            files).
+        floor_cost: ``{method: {suite: FloorCost}}`` for methods with rounds that drafted nothing in the wall-clock
+            pass (absent in older files).
+        floor_pass: ``{method: {suite: FloorCost}}`` of the floor pass: each drafter's default method with drafting
+            forced off (every round verifies the target's token alone), interleaved with plain ``generate``
+            ``settings.floor_repeats`` times per prompt (absent in older files and when skipped).
         runtime_s: wall seconds of the whole run. plots: PNG file names next to the JSON (absent until written).
     """
 
@@ -363,6 +371,7 @@ class BenchResult(Record):
     runtime_s: float
     plots: list[str] | None = field(default=None, metadata={"omit_none": True})
     floor_cost: dict[str, dict[str, FloorCost]] | None = field(default=None, metadata={"omit_none": True})
+    floor_pass: dict[str, dict[str, FloorCost]] | None = field(default=None, metadata={"omit_none": True})
 
     def strict(self) -> BenchResult:
         """A copy as ``benchmarks.json`` holds it: every NaN or infinite float ``None``."""
