@@ -425,12 +425,22 @@ def test_learnt_costs_carry_over_between_calls_with_the_same_settings(drafter):
 
 
 def test_concurrency_bench_rows(target, drafter, tmp_path):
+    lines = []
     result = run_concurrency(target, drafter, [[3, 5, 7], [9]], [1, 2], max_new_tokens=4, gamma=4,
-                             arms=("plain", "fixed", "best_fixed"), log=lambda line: None, fixed_ks=(1, 4))
+                             arms=("plain", "fixed", "best_fixed"), log=lines.append, fixed_ks=(1, 4), repeats=2)
     assert [(r["concurrency"], r["arm"]) for r in result["rows"]] == [
         (1, "plain"), (1, "fixed"), (1, "best_fixed"), (2, "plain"), (2, "fixed"), (2, "best_fixed")]
+    # the loops interleave, the second repetition in reverse order (plain before and after the others); fixed
+    # γ = 4 runs once per repetition for both arms
+    runs = [line.split(": ")[0] for line in lines if " run " in line]
+    assert runs[:6] == ["R=1 run 1/2 plain", "R=1 run 1/2 fixed k=4", "R=1 run 1/2 fixed k=1",
+                        "R=1 run 2/2 fixed k=1", "R=1 run 2/2 fixed k=4", "R=1 run 2/2 plain"]
     assert all(r["mismatches"] == 0 and r["tokens"] == 4 * r["requests"] for r in result["rows"])
-    for fixed, best in zip(result["rows"][1::3], result["rows"][2::3]):
+    for plain, fixed, best in zip(result["rows"][0::3], result["rows"][1::3], result["rows"][2::3]):
+        for row in (plain, fixed, best):  # each arm: its fastest run, against plain's fastest and run by run
+            assert len(row["tok_s_runs"]) == 2 and row["aggregate_tok_s"] == max(row["tok_s_runs"])
+            assert row["speed_vs_plain"] == row["aggregate_tok_s"] / plain["aggregate_tok_s"]
+            assert row["speed_vs_plain_paired"] == [a / p for a, p in zip(row["tok_s_runs"], plain["tok_s_runs"])]
         assert set(best["tok_s_by_k"]) == {"1", "4"}
         assert best["tok_s_by_k"]["4"] == fixed["aggregate_tok_s"]  # fixed γ = 4 is reused, not run again
         assert best["aggregate_tok_s"] == max(best["tok_s_by_k"].values())
