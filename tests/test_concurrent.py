@@ -46,7 +46,7 @@ class ScriptedGate(DraftGate):
         super().__init__()
         self.calls = 0
 
-    def drafts(self, costs, requests, context, catch_up=0):
+    def drafts(self, costs, requests, context):
         self.calls += 1
         return self.calls % 3 != 0
 
@@ -378,15 +378,12 @@ def test_draft_gate_backs_off_so_re_measures_cost_at_most_the_loss_bound():
     assert gate.model_ratio(costs, 4, 0) == pytest.approx(1.25 * 120 / 160)  # 0.9375: the model against drafting
     assert not gate.drafts(costs, 4, 8) and not gate.drafts(costs, 2, 0)  # no plain rate at R yet: plain measures it
     gate.observe_step(4, 0, emitted=4, step_ms=80.0)
-    # a drafting step costs 160 / 120 · (1 − 0.9375) = 1/12 plain step beyond plain decoding: the loss bound (1 %)
-    # waits ⌈(1/12) / 0.01⌉ = 9 plain steps between re-measures until the doubling interval (1, 2, 4, ...) is longer
+    # a drafting step costs 160 / 120 · (1 − 0.9375) = 1/12 plain step beyond plain decoding: re-measure after
+    # ⌈(1/12) / 0.02⌉ = 5 plain steps, then after 10, 20, 40 and 64 (the cap)
     assert gate.remeasure_cost(costs, 4, 0) == pytest.approx(1 / 12)
-    decisions = [gate.drafts(costs, 4, 0) for _ in range(212)]
-    assert [i for i, d in enumerate(decisions) if d] == [8, 17, 26, 35, 51, 83, 147, 211]
+    decisions = [gate.drafts(costs, 4, 0) for _ in range(5 + 10 + 20 + 40 + 64)]
+    assert [i for i, d in enumerate(decisions) if d] == [4, 14, 34, 74, 138]
     assert gate.interval == {4: 64}
-    costs.observe_catch_up(100, 20.0)  # 0.2 ms per token fed to a drafter context in a catch-up
-    assert gate.remeasure_cost(costs, 4, 0, catch_up=60) == pytest.approx((10 + 0.2 * 60) / 120)
-    assert not any(gate.drafts(costs, 4, 0, catch_up=6000) for _ in range(64))  # 10 plain steps of catch-up: wait
     gate.observe_step(4, 4, emitted=6, step_ms=150.0)  # measured 0.04 against 0.05 tokens/ms: the measured ratio
     assert gate.remeasure_cost(costs, 4, 0) == pytest.approx(160 / 120 * (1 - 0.8))
     gate.observe_step(4, 2, emitted=5, step_ms=10.0)  # two of four drafted (no room): a rate of neither kind

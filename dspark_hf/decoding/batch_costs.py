@@ -25,8 +25,8 @@ ONLINE_WEIGHT = 0.2  # weight of a new observation in the running estimates
 MARGIN = 0.10  # by the model, a drafting step must promise this much more throughput than a plain one
 MEASURED_MARGIN = 0.05  # measured, drafting steps must reach this much more throughput than plain ones (noise)
 CONFIRM_STEPS = 2  # drafting steps in a row a re-measure runs before its measurement can restart drafting
-LOSS_BOUND = 0.01  # re-measures cost at most this share of the plain steps' time
-MAX_PROBE_INTERVAL = 64  # the back-off's doubling stops here (the loss bound may wait longer)
+LOSS_BOUND = 0.02  # re-measures cost at most this share of the plain steps' time (unless the interval is at its cap)
+MAX_PROBE_INTERVAL = 64  # plain steps between two re-measures, at most
 
 
 def _blend(table: dict[int, float], key: int, value: float) -> None:
@@ -55,31 +55,17 @@ class StepCosts:
     Attributes:
         sps: the target's SPS curve (``sps.at(context)[B - 1]`` steps/s for ``B`` tokens).
         overhead_ms / draft_ms: running estimates by number of requests ``R`` (ms).
-        catch_up_ms_per_token: running estimate of feeding one token's features into a drafter context in a
-            catch-up (ms; ``None`` before one was seen).
     """
 
     sps: object
     overhead_ms: dict[int, float] = field(default_factory=dict)
     draft_ms: dict[int, float] = field(default_factory=dict)
-    catch_up_ms_per_token: float | None = None
 
     def observe(self, requests: int, overhead_ms: float, draft_ms: float | None = None) -> None:
         """Fold one step's measured overhead (and drafter pass, when it drafted) into the estimates for ``R``."""
         _blend(self.overhead_ms, requests, max(overhead_ms, 0.0))
         if draft_ms is not None:
             _blend(self.draft_ms, requests, draft_ms)
-
-    def observe_catch_up(self, tokens: int, ms: float) -> None:
-        """Fold one drafting step's context catch-up (``tokens`` features fed to the drafter in ``ms``) into the
-        estimate of its cost per token."""
-        if tokens > 0:
-            old, new = self.catch_up_ms_per_token, ms / tokens
-            self.catch_up_ms_per_token = new if old is None else (1 - ONLINE_WEIGHT) * old + ONLINE_WEIGHT * new
-
-    def catch_up_ms(self, tokens: int) -> float:
-        """Predicted time to feed ``tokens`` features into the drafters' contexts (ms; 0 before any was seen)."""
-        return (self.catch_up_ms_per_token or 0.0) * tokens
 
     def verify_ms(self, tokens: int, context: int) -> float:
         """``1000 / SPS(B)`` at ``context`` (the curve's last entry, scaled by ``B``, past its end)."""
@@ -117,10 +103,9 @@ class DraftGate:
 
     When drafting loses the step is plain, and after ``wait`` plain steps one step drafts again to re-measure (and
     goes on drafting while the checks favour it; ``interval`` returns to 1 only once :data:`CONFIRM_STEPS` drafting
-    steps in a row won, so one lucky step does not restart the re-measures' clock). ``wait`` is ``interval(R)``
-    (doubled by each re-measure up to :data:`MAX_PROBE_INTERVAL`), or more where a re-measure would otherwise cost
-    more than :data:`LOSS_BOUND` of the plain steps' time: :meth:`remeasure_cost` / ``LOSS_BOUND``, its drafting
-    step's excess over plain decoding and the context catch-up it pays for the plain steps before it.
+    steps in a row won, so one lucky step does not restart the re-measures' clock). ``wait`` is ``interval(R)``, or
+    more where a re-measure would otherwise cost more than :data:`LOSS_BOUND` of the plain steps' time
+    (:meth:`remeasure_cost` / ``LOSS_BOUND``), at most :data:`MAX_PROBE_INTERVAL`; each re-measure doubles it.
 
     One gate (with its :class:`StepCosts`) serves every call of a drafter with the same settings
     (:func:`learnt_costs`), so a call starts from what the previous ones learnt.
@@ -146,19 +131,17 @@ class DraftGate:
         return (_interpolate(self.tokens_per_request, requests) * costs.predict_ms(requests, requests, context)
                 / costs.predict_ms(verified, requests, context, requests))
 
-    def remeasure_cost(self, costs: StepCosts, requests: int, context: int, catch_up: int = 0) -> float:
-        """What one drafting step costs beyond plain decoding, in plain steps: ``(time(draft) · (1 − rate ratio) +
-        catch-up time) / time(plain)``, the rate ratio measured at ``R`` when both rates are, else the model's
-        (a ratio above 1 counts as 1), the catch-up that of ``catch_up`` features (:meth:`StepCosts.catch_up_ms`)."""
+    def remeasure_cost(self, costs: StepCosts, requests: int, context: int) -> float:
+        """What one drafting step costs beyond plain decoding, in plain steps: ``time(draft) / time(plain) ·
+        (1 − rate ratio)``, the rate ratio measured at ``R`` when both rates are, else the model's (≥ 0)."""
         measured = self.drafting_rate.get(requests), self.plain_rate.get(requests)
         ratio = measured[0] / measured[1] if None not in measured else self.model_ratio(costs, requests, context)
         verified = max(requests, round(requests * _interpolate(self.verified_per_request, requests)))
-        excess = costs.predict_ms(verified, requests, context, requests) * max(0.0, 1.0 - ratio)
-        return (excess + costs.catch_up_ms(catch_up)) / costs.predict_ms(requests, requests, context)
+        return (costs.predict_ms(verified, requests, context, requests) / costs.predict_ms(requests, requests, context)
+                * max(0.0, 1.0 - ratio))
 
-    def drafts(self, costs: StepCosts, requests: int, context: int, catch_up: int = 0) -> bool:
-        """Whether the next step at ``requests`` drafts for all of them (``False``: a plain step); ``catch_up``:
-        the features its drafting would first feed to the drafter (:meth:`remeasure_cost`)."""
+    def drafts(self, costs: StepCosts, requests: int, context: int) -> bool:
+        """Whether the next step at ``requests`` drafts for all of them (``False``: a plain step)."""
         if not self.tokens_per_request or not costs.draft_ms:
             return True  # nothing known yet: draft, which measures it
         plain = self.plain_rate.get(requests)
@@ -173,11 +156,12 @@ class DraftGate:
         self.plain_steps[requests] = self.plain_steps.get(requests, 0) + 1
         wait = self.interval.get(requests, 1)
         if self.plain_steps[requests] >= wait:  # time to re-measure, unless that would cost more than LOSS_BOUND
-            wait = max(wait, math.ceil(self.remeasure_cost(costs, requests, context, catch_up) / LOSS_BOUND))
+            wait = max(wait, math.ceil(self.remeasure_cost(costs, requests, context) / LOSS_BOUND))
+        wait = min(wait, MAX_PROBE_INTERVAL)
         if self.plain_steps[requests] < wait:
             return False
         self.plain_steps[requests] = 0
-        self.interval[requests] = min(2 * self.interval.get(requests, 1), MAX_PROBE_INTERVAL)
+        self.interval[requests] = min(2 * wait, MAX_PROBE_INTERVAL)
         return True
 
     def observe(self, requests: int, emitted: int, verified: int) -> None:

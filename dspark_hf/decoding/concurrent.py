@@ -65,7 +65,6 @@ class Request:
         self.context = decoder.drafter.new_context() if decoder.drafter is not None else None
         self.policy = POLICIES[decoder.mode]() if decoder.drafter is not None else None
         self.pending: list[torch.Tensor] = []  # target features [1, n, m·d] not yet in the drafter's context
-        self.pending_tokens = 0  # the n of those, together
         self.processors = None  # its logits processors (set by ConcurrentDecoder.add)
         self.stats = GenerationStats(verification=decoder.mode if decoder.drafter is not None else "plain")
         self.done = False
@@ -80,15 +79,9 @@ class Request:
         """Tokens it may still emit."""
         return self.max_new_tokens - len(self.generated)
 
-    @property
-    def catching_up(self) -> bool:
-        """Whether its next drafting step feeds a catch-up to the drafter: its prompt's features, or several steps'
-        (it did not draft at the last step)."""
-        return len(self.pending) > 1 or (len(self.pending) == 1 and self.context.length == 0)
-
     def release(self) -> None:
         """Free its KV cache and drafter context (a finished request costs nothing)."""
-        self.kv, self.context, self.pending, self.pending_tokens, self.done = None, None, [], 0, True
+        self.kv, self.context, self.pending, self.done = None, None, [], True
         self.finished_s = time.perf_counter()
 
 
@@ -153,7 +146,6 @@ class ConcurrentDecoder:
         self.costs: StepCosts | None = None  # the scheduled modes' cost model and gate, from running()
         self.gate: DraftGate | None = None
         self._extend_ms = 0.0  # the last drafting step's context catch-up (ms; StepStats.extend_ms)
-        self._catch_up_tokens = 0  # the features it fed (tokens)
         self.requests: list[Request] = []
         self.stats = BatchStats()
         text = target.config.get_text_config(decoder=True)
@@ -238,8 +230,6 @@ class ConcurrentDecoder:
                 # prices the past steps, not this one; a drafting step's own extension stays in
                 self.costs.observe(step.requests, step.step_ms - step.verify_ms - step.draft_ms,
                                    step.draft_ms - step.extend_ms if step.drafted == step.requests else None)
-                if step.extend_ms > 0:
-                    self.costs.observe_catch_up(self._catch_up_tokens, step.extend_ms)
                 self.gate.observe_step(step.requests, step.drafted, sum(map(len, emitted.values())),
                                        step.step_ms - step.extend_ms)
         return emitted
@@ -267,9 +257,8 @@ class ConcurrentDecoder:
         context = sum(contexts) // len(contexts)
         drafts = self.drafter is not None
         if self.costs is not None:  # decided from past steps only: lossless
-            catch_up = sum(r.pending_tokens for r in requests if r.catching_up)
-            drafts = self.gate.drafts(self.costs, len(requests), context, catch_up)
-        draft_start, self._extend_ms, self._catch_up_tokens = time.perf_counter(), 0.0, 0
+            drafts = self.gate.drafts(self.costs, len(requests), context)
+        draft_start, self._extend_ms = time.perf_counter(), 0.0
         blocks = self._draft(requests) if drafts else [None] * len(requests)
         drafting = sum(b is not None for b in blocks)  # all, or fewer where requests have no room for drafts
         draft_ms = 1e3 * (time.perf_counter() - draft_start)
@@ -318,13 +307,12 @@ class ConcurrentDecoder:
             return [None] * len(requests)
         for request in drafting:  # the accepted positions' features join the context (paper Fig. 1)
             if request.pending:
-                catch_up, start = request.catching_up, time.perf_counter()
+                # a catch-up: the prompt, or several steps' features (the request did not draft last step)
+                catch_up, start = len(request.pending) > 1 or request.context.length == 0, time.perf_counter()
                 features = torch.cat(request.pending, dim=1) if len(request.pending) > 1 else request.pending[0]
                 self.drafter.extend_context(request.context, features.to(self.drafter.context_proj.weight.device))
-                if catch_up:
-                    self._extend_ms += 1e3 * (time.perf_counter() - start)
-                    self._catch_up_tokens += request.pending_tokens
-                request.pending, request.pending_tokens = [], 0
+                request.pending = []
+                self._extend_ms += 1e3 * (time.perf_counter() - start) if catch_up else 0.0
         ids = [torch.tensor([r.padding + r.ids]) for r in drafting] if self.processors is not None else None
         processors = [r.processors for r in drafting] if self.processors is not None else None
         blocks = iter(self.drafter.draft_many([r.context for r in drafting], [r.ids[-1] for r in drafting],
@@ -374,7 +362,6 @@ class ConcurrentDecoder:
         """Keep the target features ``[1, n, m·d]`` of the segment's first ``n`` rows for the drafter's context."""
         if self.drafter is not None:
             request.pending.append(torch.cat([hidden[i][:, offset:offset + n] for i in self.hidden_layers], -1))
-            request.pending_tokens += n
 
     def _emit(self, request: Request, tokens: list[int]) -> list[int]:
         """Append ``tokens`` up to the budget, the first EOS or the first stop; finish and free the request there."""
