@@ -37,6 +37,26 @@ def drafter(target):
     return drafter
 
 
+class ScriptedGate(DraftGate):
+    """Drafts at two steps of every three, whatever was measured: the engine's tests see drafting steps, plain steps
+    with a drafter attached and the context catch-up after them, independent of this machine's timings (the real
+    rule has its own tests below)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def drafts(self, costs, requests, context):
+        self.calls += 1
+        return self.calls % 3 != 0
+
+
+@pytest.fixture(autouse=True)
+def scripted_gate(monkeypatch):
+    monkeypatch.setattr("dspark_hf.decoding.concurrent.learnt_costs", lambda drafter, curve, settings: (
+        StepCosts(curve), ScriptedGate()))
+
+
 def left_padded(prompts, pad=0):
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
@@ -157,6 +177,10 @@ def test_generate_concurrent_closed_loop_streams_and_frees_finished_requests(tar
     assert any(step.extend_ms > 0 for step in stats.steps if step.drafted)
     assert all(step.extend_ms <= step.draft_ms for step in stats.steps)
     assert all(step.extend_ms == 0 for step in stats.steps if not step.drafted)
+    # a request that drafted the step before extends by that step's features alone: its drafting price, no catch-up
+    steady = [b for a, b in zip(stats.steps, stats.steps[1:])
+              if not a.prefill and a.drafted == a.requests and not b.prefill and b.drafted == b.requests]
+    assert steady and all(step.extend_ms == 0 for step in steady)
 
 
 def test_generate_concurrent_stops_at_the_targets_eos_by_default(target, drafter, monkeypatch):
@@ -340,58 +364,83 @@ def test_step_costs_predict_by_tokens_and_requests():
     assert costs.predict_ms(6, 6, 0) == pytest.approx(126 + 6.5)  # overhead between R = 4 and 8
     costs.observe(4, overhead_ms=10.0)  # running estimate: 0.8 · 5 + 0.2 · 10
     assert costs.overhead_ms[4] == pytest.approx(6.0)
-    assert costs.predict_ms(6, 4, 0, drafting=1) == pytest.approx(126 + 6 + 20 / 4)  # a probe: 1/R of a pass
+    assert costs.predict_ms(6, 4, 0, drafting=1) == pytest.approx(126 + 6 + 20 / 4)  # one drafting: 1/R of a pass
     assert costs.predict_ms(1, 2, 0, drafting=2) == pytest.approx(65 + 6 + 20 / 2)  # drafter pass ∝ R below R = 4
     assert costs.rates(4, 0)[0] == pytest.approx(1000 / (65 + 6))
 
 
-def test_draft_gate_stops_drafting_that_loses_and_probes_with_back_off():
+def test_draft_gate_backs_off_so_re_measures_cost_at_most_the_loss_bound():
+    costs = StepCosts(tiny_sps_curve())
+    costs.observe(4, overhead_ms=5.0, draft_ms=20.0)  # plain step 115 + 5 = 120 ms; drafting at B = 8: 135 + 25
+    gate = DraftGate()
+    assert gate.drafts(costs, 4, 0)  # nothing known yet: draft
+    gate.observe(4, emitted=5, verified=8)  # t̄ = 1.25, b̄ = 2
+    assert gate.model_ratio(costs, 4, 0) == pytest.approx(1.25 * 120 / 160)  # 0.9375: the model against drafting
+    assert not gate.drafts(costs, 4, 8) and not gate.drafts(costs, 2, 0)  # no plain rate at R yet: plain measures it
+    gate.observe_step(4, 0, emitted=4, step_ms=80.0)
+    # a drafting step costs 160 / 120 · (1 − 0.9375) = 1/12 plain step beyond plain decoding: re-measure after
+    # ⌈(1/12) / 0.02⌉ = 5 plain steps, then after 10, 20, 40 and 64 (the cap)
+    assert gate.remeasure_cost(costs, 4, 0) == pytest.approx(1 / 12)
+    decisions = [gate.drafts(costs, 4, 0) for _ in range(5 + 10 + 20 + 40 + 64)]
+    assert [i for i, d in enumerate(decisions) if d] == [4, 14, 34, 74, 138]
+    assert gate.interval == {4: 64}
+    gate.observe_step(4, 4, emitted=6, step_ms=150.0)  # measured 0.04 against 0.05 tokens/ms: the measured ratio
+    assert gate.remeasure_cost(costs, 4, 0) == pytest.approx(160 / 120 * (1 - 0.8))
+    gate.observe_step(4, 2, emitted=5, step_ms=10.0)  # two of four drafted (no room): a rate of neither kind
+    assert gate.drafting_rate == {4: 0.04} and gate.plain_rate == {4: 0.05} and gate.streak == {4: 1}
+
+
+def test_draft_gate_needs_a_measured_margin_and_two_winning_steps_to_restart():
     costs = StepCosts(tiny_sps_curve())
     costs.observe(4, overhead_ms=5.0, draft_ms=20.0)
     gate = DraftGate()
-    assert gate.drafting_requests(costs, 4, 0) == 4  # nothing known yet: draft
-    gate.observe(4, 4, emitted=int(4 * 1.25), verified=8)  # 5 tokens for B = 8: 5 / 151 ms < 1.1 · 4 / 120 ms
-    decisions = [gate.drafting_requests(costs, 4, 0) for _ in range(8)]
-    assert decisions == [1, 0, 1, 0, 0, 0, 1, 0]  # probes of one request, the gap doubling
-    gate.tokens_per_request[4] = 2.0  # 8 tokens for B = 8: 8 / 151 ms > 1.1 · 4 / 120 ms
-    assert gate.drafting_requests(costs, 4, 0) == 4 and gate.interval == 1
-    assert gate.drafting_requests(costs, 8, 0) == 8  # t̄, b̄ at R = 8: R = 4's (nearest)
-
-
-def test_draft_gate_follows_measured_throughput_against_the_model():
-    costs = StepCosts(tiny_sps_curve())
-    costs.observe(4, overhead_ms=5.0, draft_ms=20.0)
-    gate = DraftGate()
-    gate.observe(4, 4, emitted=8, verified=8)  # the model: 8 / 151 ms > 1.1 · 4 / 120 ms, draft
-    gate.observe_step(4, 4, emitted=8, step_ms=200.0)  # measured: 0.040 tokens/ms drafting
-    gate.observe_step(4, 1, emitted=6, step_ms=100.0)  # a probe: not a rate of either kind
-    assert gate.drafting_requests(costs, 4, 0) == 4  # no plain step measured yet: the model decides
-    gate.observe_step(4, 0, emitted=4, step_ms=80.0)  # 0.050 tokens/ms plain: measured against drafting
-    assert gate.plain_rate == {4: 0.05} and gate.drafting_rate == {4: 0.04}
-    decisions = [gate.drafting_requests(costs, 4, 0) for _ in range(7)]
-    assert decisions == [4, 0, 4, 0, 0, 0, 4]  # the model still for drafting: re-measure all of R, backing off
-    gate.observe_step(4, 4, emitted=12, step_ms=100.0)  # 0.8 · 0.04 + 0.2 · 0.12 = 0.056 > 0.05
-    assert gate.drafting_rate[4] == pytest.approx(0.056)
-    assert gate.drafting_requests(costs, 4, 0) == 4 and gate.interval == 1
+    gate.observe(4, emitted=8, verified=8)  # t̄ = b̄ = 2: Θ_draft / Θ_plain = 2 · 120 / 160 = 1.5 by the model
+    assert not gate.drafts(costs, 4, 0)  # a plain step first, to measure plain decoding at R = 4
+    gate.observe_step(4, 0, emitted=4, step_ms=80.0)  # 0.05 tokens/ms
+    assert gate.drafts(costs, 4, 0)  # the model for drafting, nothing measured against it
+    gate.observe_step(4, 4, emitted=13, step_ms=250.0)  # 0.052 tokens/ms: above plain, but not by 5 %
+    decisions = []
+    for _ in range(6):  # the engine's loop: decide, then observe the step (rates unchanged)
+        decisions.append(gate.drafts(costs, 4, 0))
+        gate.observe_step(4, 4 if decisions[-1] else 0, 13 if decisions[-1] else 4, 250.0 if decisions[-1] else 80.0)
+    # measured ratio 1.04 ≥ 1: a re-measure costs nothing, so the wait is the interval alone, doubling
+    assert decisions == [True, False, True, False, False, False] and gate.interval == {4: 4}
+    assert gate.drafts(costs, 4, 0) and gate.interval == {4: 8}  # the next re-measure
+    gate.observe_step(4, 4, emitted=26, step_ms=250.0)  # a lucky step: 0.8 · 0.052 + 0.2 · 0.104 = 0.0624 tokens/ms
+    assert gate.drafting_rate[4] == pytest.approx(0.0624) and gate.streak[4] == 1
+    assert gate.drafts(costs, 4, 0) and gate.interval == {4: 8}  # drafting wins, one step does not restart the clock
+    gate.observe_step(4, 4, emitted=26, step_ms=250.0)  # 0.8 · 0.0624 + 0.2 · 0.104 = 0.07072
+    assert gate.drafts(costs, 4, 0) and gate.interval == {4: 1}  # two winning steps in a row: back-off restarts
+    assert not gate.drafts(costs, 8, 0)  # R = 8: t̄, b̄ from R = 4 (nearest), but no plain rate measured there
 
 
 def test_learnt_costs_carry_over_between_calls_with_the_same_settings(drafter):
     curve = tiny_sps_curve()
     costs, gate = learnt_costs(drafter, curve, (4, "scheduler", False))
     costs.observe(2, overhead_ms=3.0, draft_ms=9.0)
-    gate.observe(2, 2, emitted=5, verified=6)
+    gate.observe(2, emitted=5, verified=6)
     assert learnt_costs(drafter, curve, (4, "scheduler", False)) == (costs, gate)
     assert learnt_costs(drafter, curve, (4, "async", False))[1].tokens_per_request == {}  # other settings: afresh
     assert learnt_costs(drafter, tiny_sps_curve(), (4, "scheduler", False))[0].draft_ms == {}  # a new curve too
 
 
 def test_concurrency_bench_rows(target, drafter, tmp_path):
+    lines = []
     result = run_concurrency(target, drafter, [[3, 5, 7], [9]], [1, 2], max_new_tokens=4, gamma=4,
-                             arms=("plain", "fixed", "best_fixed"), log=lambda line: None, fixed_ks=(1, 4))
+                             arms=("plain", "fixed", "best_fixed"), log=lines.append, fixed_ks=(1, 4), repeats=2)
     assert [(r["concurrency"], r["arm"]) for r in result["rows"]] == [
         (1, "plain"), (1, "fixed"), (1, "best_fixed"), (2, "plain"), (2, "fixed"), (2, "best_fixed")]
+    # the loops interleave, the second repetition in reverse order (plain before and after the others); fixed
+    # γ = 4 runs once per repetition for both arms
+    runs = [line.split(": ")[0] for line in lines if " run " in line]
+    assert runs[:6] == ["R=1 run 1/2 plain", "R=1 run 1/2 fixed k=4", "R=1 run 1/2 fixed k=1",
+                        "R=1 run 2/2 fixed k=1", "R=1 run 2/2 fixed k=4", "R=1 run 2/2 plain"]
     assert all(r["mismatches"] == 0 and r["tokens"] == 4 * r["requests"] for r in result["rows"])
-    for fixed, best in zip(result["rows"][1::3], result["rows"][2::3]):
+    for plain, fixed, best in zip(result["rows"][0::3], result["rows"][1::3], result["rows"][2::3]):
+        for row in (plain, fixed, best):  # each arm: its fastest run, against plain's fastest and run by run
+            assert len(row["tok_s_runs"]) == 2 and row["aggregate_tok_s"] == max(row["tok_s_runs"])
+            assert row["speed_vs_plain"] == row["aggregate_tok_s"] / plain["aggregate_tok_s"]
+            assert row["speed_vs_plain_paired"] == [a / p for a, p in zip(row["tok_s_runs"], plain["tok_s_runs"])]
         assert set(best["tok_s_by_k"]) == {"1", "4"}
         assert best["tok_s_by_k"]["4"] == fixed["aggregate_tok_s"]  # fixed γ = 4 is reused, not run again
         assert best["aggregate_tok_s"] == max(best["tok_s_by_k"].values())

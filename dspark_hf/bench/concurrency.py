@@ -11,10 +11,13 @@ prompts with at most R in flight, greedy, through each arm:
 * ``scheduler``: Algorithm 1 across the requests on the step cost model, with the draft-or-not gate;
 * ``async``: the §5.2 global search across the requests, with the gate.
 
-Each arm runs once untimed first (warm-up; the scheduled modes load or profile their SPS curve there). Reported
-per (arm, R): aggregate tok/s, per-user tok/s (median and p10 over requests: a request's tokens over its time in
-flight), τ, the mean verification budget per request ``1 + ℓ̄``, verified-but-rejected drafts, the median absolute
-error of the predicted step time, and greedy mismatches against ``plain``.
+Each closed loop runs once untimed first (warm-up; the scheduled modes load or profile their SPS curve there).
+At each R the arms run :data:`REPEATS` times, interleaved (the order reversed every other time), and each arm
+reports its fastest run against plain's fastest: on a shared machine other load only slows runs down, and a
+baseline measured once, first, moved by 12 % between two runs. Reported per (arm, R): aggregate tok/s, per-user
+tok/s (median and p10 over requests: a request's tokens over its time in flight), τ, the mean verification budget
+per request ``1 + ℓ̄``, verified-but-rejected drafts, the median absolute error of the predicted step time, and
+greedy mismatches against ``plain``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 
 ARMS = ("plain", "fixed", "best_fixed", "threshold", "scheduler", "async")
 FIXED_KS = (1, 2, 3, 5, 7)
+REPEATS = 2  # closed loops per arm and R, interleaved with the other arms' (plain before and after them)
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -66,32 +70,35 @@ def run_arm(target, drafter, prompts: list[list[int]], concurrency: int, max_new
     return row, outputs
 
 
-def run_best_fixed(target, drafter, prompts: list[list[int]], concurrency: int, max_new_tokens: int,
-                   ks=FIXED_KS, known: dict | None = None) -> tuple[dict, list[list[int]]]:
-    """Fixed verification at each ``k`` of ``ks`` (``known``: ``{k: (row, outputs)}`` already run); returns the
-    fastest k's ``(row, outputs)``, its row renamed ``best_fixed`` with ``k`` and ``tok_s_by_k``."""
-    runs = dict(known or {})
-    for k in ks:
-        if k not in runs:
-            runs[k] = run_arm(target, drafter, prompts, concurrency, max_new_tokens, "fixed", k)
-    best = max(ks, key=lambda k: runs[k][0]["aggregate_tok_s"])
-    row, outputs = runs[best]
-    row = {**row, "arm": "best_fixed", "k": best,
-           "tok_s_by_k": {str(k): runs[k][0]["aggregate_tok_s"] for k in ks}}
-    return row, outputs
+def _runs_of(arms, gamma: int, fixed_ks) -> list[tuple[str, int]]:
+    """The closed loops one repetition runs, as ``(mode, γ)``: ``best_fixed`` is fixed verification at each k of
+    ``fixed_ks`` (fixed γ's loop counted once when the ``fixed`` arm runs it too), ``plain`` has γ = 0."""
+    runs = []
+    for arm in arms:
+        if arm == "best_fixed":
+            runs += [("fixed", k) for k in fixed_ks if k != gamma or "fixed" not in arms]
+        else:
+            runs.append((arm, 0 if arm == "plain" else gamma))
+    return runs
 
 
 def run_concurrency(target, drafter, prompts: list[list[int]], levels: list[int], max_new_tokens: int, gamma: int,
-                    arms=ARMS, log=print, fixed_ks=FIXED_KS) -> dict:
+                    arms=ARMS, log=print, fixed_ks=FIXED_KS, repeats: int = REPEATS) -> dict:
     """Every arm at every concurrency level; ``2·R`` prompts per level (prompts repeat if there are fewer).
+
+    At each R the arms' closed loops run ``repeats`` times, interleaved, every other repetition in reverse order
+    (plain first, then last, ...), so the baseline sees the same machine as the drafting arms; each arm's row is
+    its fastest repetition (other load on the machine only slows a run down), ``speed_vs_plain`` its aggregate
+    tok/s over plain's fastest, ``speed_vs_plain_paired`` the same per repetition.
 
     Returns:
         ``{"rows": [...], "settings": {...}}`` with one row per (arm, R) as :func:`run_arm` makes it, plus
-        ``mismatches`` (greedy outputs differing from ``plain``) and ``speed_vs_plain``; ``best_fixed`` rows add
-        ``k`` and ``tok_s_by_k`` (:func:`run_best_fixed`; ``fixed_ks`` the k tried).
+        ``tok_s_runs`` (aggregate tok/s of each repetition), ``speed_vs_plain``, ``speed_vs_plain_paired`` and
+        ``mismatches`` (greedy outputs of any repetition differing from ``plain``'s); ``best_fixed`` rows (the
+        fastest fixed k at this R, ``fixed_ks`` the k tried) add ``k`` and ``tok_s_by_k``.
 
     Raises:
-        ValueError: no prompts, a level below 1 or an unknown arm.
+        ValueError: no prompts, a level below 1, an unknown arm or ``repeats < 1``.
     """
     if not prompts:
         raise ValueError("the concurrency bench needs prompts.")
@@ -100,38 +107,54 @@ def run_concurrency(target, drafter, prompts: list[list[int]], levels: list[int]
     unknown = set(arms) - set(ARMS)
     if unknown:
         raise ValueError(f"unknown arms {sorted(unknown)}; choose from {ARMS}.")
-    rows = []
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}.")
+    rows, loops = [], _runs_of(arms, gamma, fixed_ks)
     for concurrency in levels:
         batch = [prompts[i % len(prompts)] for i in range(2 * concurrency)]
-        reference, fixed = None, {}
+        runs = {loop: [] for loop in loops}  # (mode, γ) -> [(row, outputs) per repetition]
+        for repetition in range(repeats):
+            for mode, k in loops if repetition % 2 == 0 else loops[::-1]:
+                row, outputs = run_arm(target, drafter, batch, concurrency, max_new_tokens, mode, k)
+                runs[mode, k].append((row, outputs))
+                log(f"R={concurrency} run {repetition + 1}/{repeats} {mode}{f' k={k}' if mode == 'fixed' else ''}: "
+                    f"{row['aggregate_tok_s']:.1f} tok/s, {row['drafting_steps']}/{row['steps']} drafting steps")
+        fastest = {loop: max(done, key=lambda run: run[0]["aggregate_tok_s"]) for loop, done in runs.items()}
+        plain_runs = runs.get(("plain", 0))
         for arm in arms:
+            keys = [("fixed", k) for k in fixed_ks] if arm == "best_fixed" else [(arm, 0 if arm == "plain" else gamma)]
+            best = max(keys, key=lambda loop: fastest[loop][0]["aggregate_tok_s"])
+            row = {**fastest[best][0], "arm": arm, "tok_s_runs": [r["aggregate_tok_s"] for r, _ in runs[best]]}
             if arm == "best_fixed":
-                row, outputs = run_best_fixed(target, drafter, batch, concurrency, max_new_tokens, fixed_ks, fixed)
+                row.update(k=best[1], tok_s_by_k={str(k): fastest["fixed", k][0]["aggregate_tok_s"] for k in fixed_ks})
+            if plain_runs is None:
+                row.update(mismatches=None, speed_vs_plain=None, speed_vs_plain_paired=None)
             else:
-                row, outputs = run_arm(target, drafter, batch, concurrency, max_new_tokens, arm, gamma)
-            if arm == "fixed":
-                fixed[gamma] = row, outputs
-            if arm == "plain":
-                reference, plain = outputs, row
-            row["mismatches"] = sum(o != r for o, r in zip(outputs, reference)) if reference is not None else None
-            row["speed_vs_plain"] = row["aggregate_tok_s"] / plain["aggregate_tok_s"] if reference is not None else None
+                reference = fastest["plain", 0]
+                row["mismatches"] = sum(o != r for _, outputs in runs[best] for o, r in zip(outputs, reference[1]))
+                row["speed_vs_plain"] = row["aggregate_tok_s"] / reference[0]["aggregate_tok_s"]
+                row["speed_vs_plain_paired"] = [a / p for a, p in zip(row["tok_s_runs"], (
+                    r["aggregate_tok_s"] for r, _ in plain_runs))]
             rows.append(row)
-            log(f"R={concurrency} {arm:10s} {row['aggregate_tok_s']:6.1f} tok/s aggregate, "
+            log(f"R={concurrency} {arm:10s} {row['aggregate_tok_s']:6.1f} tok/s aggregate (fastest of {repeats}), "
                 f"{row['per_user_tok_s_median']:5.1f} per user, 1+ℓ̄ {row['verified_per_request']:.2f}, "
                 f"τ {row['tau']:.2f}, mismatches {row['mismatches']}")
     return {"rows": rows, "settings": {"levels": list(levels), "max_new_tokens": max_new_tokens, "gamma": gamma,
-                                       "arms": list(arms), "fixed_ks": list(fixed_ks), "prompts_per_level": "2·R"}}
+                                       "arms": list(arms), "fixed_ks": list(fixed_ks), "prompts_per_level": "2·R",
+                                       "repeats": repeats, "reported": "fastest repetition per arm, interleaved"}}
 
 
 def markdown(result: dict) -> str:
-    """The table of :func:`run_concurrency` as Markdown."""
-    lines = ["| R | arm | aggregate tok/s | per-user median / p10 | × plain | 1+ℓ̄ | τ | rejected | drafting steps "
+    """The table of :func:`run_concurrency` as Markdown (× plain: fastest over fastest, then run by run)."""
+    lines = ["| R | arm | aggregate tok/s | per-user median / p10 | × plain (per run) | 1+ℓ̄ | τ | rejected | drafting steps "
              "| step ms | pred. error | mismatches |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         error = f"{100 * r['predicted_step_error_median']:.0f} %" if r["predicted_step_error_median"] is not None else "—"
         arm = f"best_fixed (k = {r['k']})" if r["arm"] == "best_fixed" else r["arm"]
+        paired = r.get("speed_vs_plain_paired") or []
+        speed = f"{r['speed_vs_plain']:.2f}" + (f" ({' / '.join(f'{x:.2f}' for x in paired)})" if len(paired) > 1 else "")
         lines.append(f"| {r['concurrency']} | {arm} | {r['aggregate_tok_s']:.1f} | "
-                     f"{r['per_user_tok_s_median']:.1f} / {r['per_user_tok_s_p10']:.1f} | {r['speed_vs_plain']:.2f} | "
+                     f"{r['per_user_tok_s_median']:.1f} / {r['per_user_tok_s_p10']:.1f} | {speed} | "
                      f"{r['verified_per_request']:.2f} | {r['tau']:.2f} | {r['rejected_drafts']} | "
                      f"{r['drafting_steps']}/{r['steps']} | {r['step_ms_median']:.0f} | {error} | {r['mismatches']} |")
     return "\n".join(lines) + "\n"

@@ -17,12 +17,16 @@ of a plain one, from the past only, so the decision never looks at this step's d
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass, field
 
 ONLINE_WEIGHT = 0.2  # weight of a new observation in the running estimates
-MARGIN = 0.10  # a drafting step must promise this much more throughput than a plain one (estimates are noisy)
-MAX_PROBE_INTERVAL = 64  # plain steps between two probes that draft, at most (the interval doubles up to it)
+MARGIN = 0.10  # by the model, a drafting step must promise this much more throughput than a plain one
+MEASURED_MARGIN = 0.05  # measured, drafting steps must reach this much more throughput than plain ones (noise)
+CONFIRM_STEPS = 2  # drafting steps in a row a re-measure runs before its measurement can restart drafting
+LOSS_BOUND = 0.02  # re-measures cost at most this share of the plain steps' time (unless the interval is at its cap)
+MAX_PROBE_INTERVAL = 64  # plain steps between two re-measures, at most
 
 
 def _blend(table: dict[int, float], key: int, value: float) -> None:
@@ -85,65 +89,94 @@ class StepCosts:
 
 @dataclass
 class DraftGate:
-    """How many requests the next step drafts for, from what past steps did: all of them, one (a probe) or none.
+    """Whether the next step at ``R`` requests drafts for all of them or for none (plain batched decoding), from what
+    past steps did: no decision looks at a draft of its own step (lossless).
 
-    Two checks, both from past steps only (so no decision looks at a draft of its own step: lossless):
+    Drafting needs both checks:
 
     * the model: ``Θ_draft = R · t̄ / time(R · b̄, R, drafts)`` with ``t̄`` the tokens emitted and ``b̄`` the tokens
-      verified per drafting request at this ``R`` (running estimates, interpolated across ``R``), against
-      ``Θ_plain = R / time(R, R, no drafts)``; drafting needs ``Θ_draft > (1 + MARGIN) · Θ_plain``;
-    * the measurement: once steps at this ``R`` of both kinds have run, the measured tokens per ms of drafting
-      steps (all ``R`` drafting) must exceed that of plain ones (the model can be wrong; what ran cannot).
+      verified per request in steps where all requests drafted (running estimates by ``R``, interpolated across
+      ``R``), against ``Θ_plain = R / time(R, R, no drafts)``: ``Θ_draft > (1 +`` :data:`MARGIN` ``) · Θ_plain``;
+    * the measurement at this ``R``: a plain step must have run (else the step is plain, which measures it), and
+      once a drafting step ran, the measured tokens per ms of drafting steps must exceed that of plain steps by
+      :data:`MEASURED_MARGIN` (the model can be wrong; what ran cannot).
 
-    All requests draft while nothing is known or while both checks favour drafting; otherwise the step is plain
-    decoding, and every ``interval`` plain steps one step drafts again (``interval`` doubles up to
-    :data:`MAX_PROBE_INTERVAL` while drafting loses, and returns to 1 when it wins): for all requests when only
-    the measurement is against drafting (to measure it again), else for one request (in turn) as a probe that
-    refreshes ``t̄``, ``b̄`` at ``1/R`` of a full drafter pass.
+    When drafting loses the step is plain, and after ``wait`` plain steps one step drafts again to re-measure (and
+    goes on drafting while the checks favour it; ``interval`` returns to 1 only once :data:`CONFIRM_STEPS` drafting
+    steps in a row won, so one lucky step does not restart the re-measures' clock). ``wait`` is ``interval(R)``, or
+    more where a re-measure would otherwise cost more than :data:`LOSS_BOUND` of the plain steps' time
+    (:meth:`remeasure_cost` / ``LOSS_BOUND``), at most :data:`MAX_PROBE_INTERVAL`; each re-measure doubles it.
 
     One gate (with its :class:`StepCosts`) serves every call of a drafter with the same settings
     (:func:`learnt_costs`), so a call starts from what the previous ones learnt.
 
     Attributes:
         tokens_per_request / verified_per_request: ``t̄`` and ``b̄`` by ``R`` (empty before the first drafting step).
-        drafting_rate / plain_rate: measured tokens per ms of steps where all ``R`` requests drafted / none did.
+        drafting_rate / plain_rate: measured tokens per ms of steps by ``R`` where all requests drafted / none did.
+        streak: drafting steps in a row at ``R`` (since the last plain step there).
+        interval / plain_steps: by ``R``, the next ``wait``'s floor and plain steps since the last re-measure.
     """
 
     tokens_per_request: dict[int, float] = field(default_factory=dict)
     verified_per_request: dict[int, float] = field(default_factory=dict)
     drafting_rate: dict[int, float] = field(default_factory=dict)
     plain_rate: dict[int, float] = field(default_factory=dict)
-    interval: int = 1
-    plain_steps: int = 0
+    streak: dict[int, int] = field(default_factory=dict)
+    interval: dict[int, int] = field(default_factory=dict)
+    plain_steps: dict[int, int] = field(default_factory=dict)
 
-    def drafting_requests(self, costs: StepCosts, requests: int, context: int) -> int:
-        """``requests``, 1 (a probe) or 0."""
-        if not self.tokens_per_request or not costs.draft_ms:
-            return requests
+    def model_ratio(self, costs: StepCosts, requests: int, context: int) -> float:
+        """``Θ_draft / Θ_plain`` at ``requests`` by the model (the ``R`` cancels: ``t̄ · time(R) / time(R·b̄)``)."""
         verified = max(requests, round(requests * _interpolate(self.verified_per_request, requests)))
-        drafting = (requests * _interpolate(self.tokens_per_request, requests)
-                    / costs.predict_ms(verified, requests, context, requests))
-        model_wins = drafting > (1 + MARGIN) * requests / costs.predict_ms(requests, requests, context)
-        measured = self.drafting_rate.get(requests), self.plain_rate.get(requests)
-        if model_wins and (None in measured or measured[0] > measured[1]):
-            self.interval, self.plain_steps = 1, 0
-            return requests
-        self.plain_steps += 1
-        if self.plain_steps >= self.interval:
-            self.plain_steps, self.interval = 0, min(2 * self.interval, MAX_PROBE_INTERVAL)
-            return requests if model_wins else 1
-        return 0
+        return (_interpolate(self.tokens_per_request, requests) * costs.predict_ms(requests, requests, context)
+                / costs.predict_ms(verified, requests, context, requests))
 
-    def observe(self, requests: int, drafted: int, emitted: int, verified: int) -> None:
-        """A step of ``requests`` where ``drafted`` of them drafted; those emitted ``emitted`` tokens and verified
-        ``verified``."""
-        _blend(self.tokens_per_request, requests, emitted / drafted)
-        _blend(self.verified_per_request, requests, verified / drafted)
+    def remeasure_cost(self, costs: StepCosts, requests: int, context: int) -> float:
+        """What one drafting step costs beyond plain decoding, in plain steps: ``time(draft) / time(plain) ·
+        (1 − rate ratio)``, the rate ratio measured at ``R`` when both rates are, else the model's (≥ 0)."""
+        measured = self.drafting_rate.get(requests), self.plain_rate.get(requests)
+        ratio = measured[0] / measured[1] if None not in measured else self.model_ratio(costs, requests, context)
+        verified = max(requests, round(requests * _interpolate(self.verified_per_request, requests)))
+        return (costs.predict_ms(verified, requests, context, requests) / costs.predict_ms(requests, requests, context)
+                * max(0.0, 1.0 - ratio))
+
+    def drafts(self, costs: StepCosts, requests: int, context: int) -> bool:
+        """Whether the next step at ``requests`` drafts for all of them (``False``: a plain step)."""
+        if not self.tokens_per_request or not costs.draft_ms:
+            return True  # nothing known yet: draft, which measures it
+        plain = self.plain_rate.get(requests)
+        if plain is None:
+            return False  # a plain step measures it (and never loses to plain decoding)
+        drafting = self.drafting_rate.get(requests)
+        if self.model_ratio(costs, requests, context) > 1 + MARGIN and (
+                drafting is None or drafting > (1 + MEASURED_MARGIN) * plain):
+            if self.streak.get(requests, 0) >= CONFIRM_STEPS:
+                self.interval[requests] = 1
+            return True
+        self.plain_steps[requests] = self.plain_steps.get(requests, 0) + 1
+        wait = self.interval.get(requests, 1)
+        if self.plain_steps[requests] >= wait:  # time to re-measure, unless that would cost more than LOSS_BOUND
+            wait = max(wait, math.ceil(self.remeasure_cost(costs, requests, context) / LOSS_BOUND))
+        wait = min(wait, MAX_PROBE_INTERVAL)
+        if self.plain_steps[requests] < wait:
+            return False
+        self.plain_steps[requests] = 0
+        self.interval[requests] = min(2 * wait, MAX_PROBE_INTERVAL)
+        return True
+
+    def observe(self, requests: int, emitted: int, verified: int) -> None:
+        """A step where all ``requests`` drafted: they emitted ``emitted`` tokens and verified ``verified``."""
+        _blend(self.tokens_per_request, requests, emitted / requests)
+        _blend(self.verified_per_request, requests, verified / requests)
 
     def observe_step(self, requests: int, drafted: int, emitted: int, step_ms: float) -> None:
-        """A whole step's measured throughput (``emitted`` tokens of all requests in ``step_ms``): kept per ``R``
-        for steps where all requests drafted or none did (a probe's is neither)."""
-        if step_ms > 0 and drafted in (0, requests):
+        """A whole step's measured throughput (``emitted`` tokens of all requests in ``step_ms``) where ``drafted``
+        requests drafted: kept per ``R`` for steps where all drafted or none did (a step where some had no room for
+        drafts is neither); counts the drafting steps in a row at ``R``."""
+        if drafted not in (0, requests):
+            return
+        self.streak[requests] = self.streak.get(requests, 0) + 1 if drafted else 0
+        if step_ms > 0:
             _blend(self.drafting_rate if drafted else self.plain_rate, requests, emitted / step_ms)
 
 

@@ -145,7 +145,6 @@ class ConcurrentDecoder:
         self.sps = sps
         self.costs: StepCosts | None = None  # the scheduled modes' cost model and gate, from running()
         self.gate: DraftGate | None = None
-        self._probes = 0  # probes so far (each drafts for the next request in turn)
         self._extend_ms = 0.0  # the last drafting step's context catch-up (ms; StepStats.extend_ms)
         self.requests: list[Request] = []
         self.stats = BatchStats()
@@ -226,8 +225,9 @@ class ConcurrentDecoder:
         if self.stats.steps:
             step = self.stats.steps[-1]
             step.step_ms = 1e3 * (time.perf_counter() - start)
-            if self.costs is not None and not step.prefill:  # a probe's pass is not the pass for all requests
-                # the context catch-up after plain steps is left out: it prices the past steps, not this one
+            if self.costs is not None and not step.prefill:
+                # the context catch-up (a prompt, or the steps since a request last drafted) is left out: it
+                # prices the past steps, not this one; a drafting step's own extension stays in
                 self.costs.observe(step.requests, step.step_ms - step.verify_ms - step.draft_ms,
                                    step.draft_ms - step.extend_ms if step.drafted == step.requests else None)
                 self.gate.observe_step(step.requests, step.drafted, sum(map(len, emitted.values())),
@@ -255,14 +255,12 @@ class ConcurrentDecoder:
         """Phases 2-5: draft, schedule, verify in one forward, accept and roll back per request."""
         contexts = [r.kv.length for r in requests]
         context = sum(contexts) // len(contexts)
-        drafting = len(requests) if self.drafter is not None else 0
+        drafts = self.drafter is not None
         if self.costs is not None:  # decided from past steps only: lossless
-            drafting = self.gate.drafting_requests(self.costs, len(requests), context)
-        chosen = requests if drafting == len(requests) else [requests[self._probes % len(requests)]] * drafting
-        self._probes += drafting == 1 and len(requests) > 1
+            drafts = self.gate.drafts(self.costs, len(requests), context)
         draft_start, self._extend_ms = time.perf_counter(), 0.0
-        drafted = dict(zip(map(id, chosen), self._draft(chosen))) if chosen else {}
-        blocks = [drafted.get(id(r)) for r in requests]
+        blocks = self._draft(requests) if drafts else [None] * len(requests)
+        drafting = sum(b is not None for b in blocks)  # all, or fewer where requests have no room for drafts
         draft_ms = 1e3 * (time.perf_counter() - draft_start)
         lengths = self._schedule(requests, blocks, context)
         segments = [[r.ids[-1]] + (b.tokens[:n].tolist() if b is not None else []) for r, b, n in
@@ -294,9 +292,8 @@ class ConcurrentDecoder:
                 confidences=block.confidences.tolist() if block is not None and block.confidences is not None else [],
                 draft_ms=draft_ms / len(requests), verify_ms=step.verify_ms))
             emitted[request.index] = out
-        if drafting and self.costs is not None:  # what the drafting requests got
-            self.gate.observe(len(requests), drafting, sum(len(emitted[r.index]) for r, b in zip(requests, blocks) if b is not None)
-                              or drafting, sum(1 + n for n, b in zip(lengths, blocks) if b is not None) or drafting)
+        if drafting == len(requests) and self.costs is not None:  # what the requests got
+            self.gate.observe(len(requests), sum(map(len, emitted.values())), total)
         return emitted
 
     # ------------------------------------------------------------------------------------------ phases
@@ -308,13 +305,14 @@ class ConcurrentDecoder:
         drafting = [r for r, g in zip(requests, gammas) if g > 0]
         if not drafting:
             return [None] * len(requests)
-        start = time.perf_counter()
         for request in drafting:  # the accepted positions' features join the context (paper Fig. 1)
             if request.pending:
+                # a catch-up: the prompt, or several steps' features (the request did not draft last step)
+                catch_up, start = len(request.pending) > 1 or request.context.length == 0, time.perf_counter()
                 features = torch.cat(request.pending, dim=1) if len(request.pending) > 1 else request.pending[0]
                 self.drafter.extend_context(request.context, features.to(self.drafter.context_proj.weight.device))
                 request.pending = []
-        self._extend_ms = 1e3 * (time.perf_counter() - start)
+                self._extend_ms += 1e3 * (time.perf_counter() - start) if catch_up else 0.0
         ids = [torch.tensor([r.padding + r.ids]) for r in drafting] if self.processors is not None else None
         processors = [r.processors for r in drafting] if self.processors is not None else None
         blocks = iter(self.drafter.draft_many([r.context for r in drafting], [r.ids[-1] for r in drafting],

@@ -108,12 +108,13 @@ class StepStats:
         prefill: whether it prefilled newly admitted requests.
         lengths: ``ℓ_r`` per request (empty for a prefill).
         draft_ms / verify_ms / step_ms: the drafter passes, the target forward, the whole step (ms).
-        extend_ms: the part of ``draft_ms`` that fed the features accepted since a request last drafted into its
-            drafter context (after plain steps, all of them at once: a catch-up, not this step's price).
+        extend_ms: the part of ``draft_ms`` that caught a request's drafter context up: its prompt's features, or
+            the features of several steps at once after plain steps (the past steps' price, not this step's; a
+            request that drafted last step too extends by that step's features alone, counted as drafting).
         predicted_ms: the step time :class:`~dspark_hf.decoding.batch_costs.StepCosts` predicted before the
             forward (0 without a cost model, i.e. outside the scheduled modes, and for a prefill).
-        drafted: requests the drafter ran for (the scheduled modes draft for none, or one as a probe, when plain
-            decoding is expected to win; :class:`~dspark_hf.decoding.batch_costs.DraftGate`).
+        drafted: requests the drafter ran for (all of them, or none where the scheduled modes expect plain
+            decoding to win; :class:`~dspark_hf.decoding.batch_costs.DraftGate`).
     """
 
     requests: int
