@@ -7,7 +7,7 @@ Run under the shared CPU lock, one thread:
 
     flock /tmp/cpu.lock python scripts/verify_cost.py --threads 1 --repeats 7 --out docs/long/verify_cost.md
 
-Timings interleave the two variants (stock, new, stock, new, ...) so that load bursts hit both alike; each cell
+Timings interleave the three variants (stock, prepacked, new, stock, ...) so that load bursts hit both alike; each cell
 is the median of ``--repeats`` timings after one untimed warm-up. The cache is filled by one real prefill of 256
 random tokens, then lengthened by repeating its keys/values (timings do not depend on their values).
 """
@@ -191,16 +191,16 @@ def roofline_lines(model, table: dict, contexts, repeats: int) -> list[str]:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 2048, 4096])
-    p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 8, 32])
-    p.add_argument("--decode-prompts", type=int, nargs="+", default=[256, 2048])
-    p.add_argument("--decode-tokens", type=int, default=32)
-    p.add_argument("--decode-repeats", type=int, default=3)
-    p.add_argument("--prefill-prompts", type=int, nargs="+", default=[1024, 2048, 3072])
-    p.add_argument("--prefill-repeats", type=int, default=3)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--repeats", type=int, default=7, help="timings per forward-cost cell, median taken (default 7; the capture table takes 4x)")
+    p.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 2048, 4096], help="KV-cache lengths ctx (default 256 1024 2048 4096)")
+    p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 8, 32], help="new tokens B per forward (default 1 2 8 32)")
+    p.add_argument("--decode-prompts", type=int, nargs="+", default=[256, 2048], help="prompt lengths of the plain-decoding table (default 256 2048)")
+    p.add_argument("--decode-tokens", type=int, default=32, help="new tokens per plain-decoding call (default 32)")
+    p.add_argument("--decode-repeats", type=int, default=3, help="plain-decoding calls per prompt length (default 3)")
+    p.add_argument("--prefill-prompts", type=int, nargs="+", default=[1024, 2048, 3072], help="prompt lengths of the prefill table (default 1024 2048 3072)")
+    p.add_argument("--prefill-repeats", type=int, default=3, help="prefills per prompt length (default 3)")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown tables here")
     args = p.parse_args()
     models = {"stock": load_default_target(stock_kernels=True)[0],  # what transformers gives

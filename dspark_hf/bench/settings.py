@@ -29,7 +29,7 @@ class BenchSettings:
     warmup_tokens: int = field(default=8, metadata={"help": "one untimed generation of this length per method before "
                                                             "pass 2 (default 8)"})
     floor_repeats: int = field(default=2, metadata={
-        "help": "the floor pass (issue #28): each prompt this many times with the default method's drafting forced "
+        "help": "the floor pass (pass 4, the floor table): each prompt this many times with the default method's drafting forced "
                 "off, interleaved with plain generate (default 2; 0 skips it)"})
 
     def __post_init__(self):

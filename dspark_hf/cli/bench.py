@@ -124,7 +124,7 @@ def add_parser(sub):
                    help="name=PATH,... (missing folders are skipped with a note); names 'dspark' and 'dflash' "
                         f"give tau_ratio_dspark_over_dflash (default: {DEFAULT_BENCH_DRAFTERS})")
     p.add_argument("--suites", default=None, help=f"comma-separated subset of {','.join(SUITES + OTHER_SUITES)} "
-                                                  "(default: all three, or only custom with --prompts)")
+                                                  "(default: code,chat,math, or only custom with --prompts)")
     p.add_argument("--prompts", default=None, help="JSONL file, one {\"prompt\": ...} per line: the 'custom' suite")
     p.add_argument("--no-builtin-dflash", action="store_true", help="skip the built-in speculation_type='dflash' path")
     p.add_argument("--out", default=None, help="folder for benchmarks.json, benchmarks.md and the PNGs (e.g. docs)")
