@@ -127,18 +127,21 @@ class DraftGate:
 
     def model_ratio(self, costs: StepCosts, requests: int, context: int) -> float:
         """``Θ_draft / Θ_plain`` at ``requests`` by the model (the ``R`` cancels: ``t̄ · time(R) / time(R·b̄)``)."""
-        verified = max(requests, round(requests * _interpolate(self.verified_per_request, requests)))
         return (_interpolate(self.tokens_per_request, requests) * costs.predict_ms(requests, requests, context)
-                / costs.predict_ms(verified, requests, context, requests))
+                / self._drafting_step_ms(costs, requests, context))
 
     def remeasure_cost(self, costs: StepCosts, requests: int, context: int) -> float:
         """What one drafting step costs beyond plain decoding, in plain steps: ``time(draft) / time(plain) ·
         (1 − rate ratio)``, the rate ratio measured at ``R`` when both rates are, else the model's (≥ 0)."""
         measured = self.drafting_rate.get(requests), self.plain_rate.get(requests)
         ratio = measured[0] / measured[1] if None not in measured else self.model_ratio(costs, requests, context)
-        verified = max(requests, round(requests * _interpolate(self.verified_per_request, requests)))
-        return (costs.predict_ms(verified, requests, context, requests) / costs.predict_ms(requests, requests, context)
+        return (self._drafting_step_ms(costs, requests, context) / costs.predict_ms(requests, requests, context)
                 * max(0.0, 1.0 - ratio))
+
+    def _drafting_step_ms(self, costs: StepCosts, requests: int, context: int) -> float:
+        """The model's time of a step where all ``requests`` draft and verify ``R · b̄`` tokens (ms)."""
+        verified = max(requests, round(requests * _interpolate(self.verified_per_request, requests)))
+        return costs.predict_ms(verified, requests, context, requests)
 
     def drafts(self, costs: StepCosts, requests: int, context: int) -> bool:
         """Whether the next step at ``requests`` drafts for all of them (``False``: a plain step)."""
