@@ -20,6 +20,7 @@ from dspark_hf.bench import suites as suites_mod
 from dspark_hf.cli import bench as bench_cli
 from dspark_hf.decoding.stats import GenerationStats, RoundStats, full_rounds
 from dspark_hf.evaluation.bench_result import BenchResult
+from dspark_hf.evaluation.runs import Run
 from dspark_hf.sources.categories import is_math_problem
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -258,10 +259,49 @@ def _bench_args(argv):
 
 
 @pytest.mark.parametrize("argv, flag", [(["--limit", "0"], "--limit"), (["--max-new-tokens", "1"], "--max-new-tokens"),
-                                        (["--gamma", "0"], "--gamma")])
+                                        (["--gamma", "0"], "--gamma"), (["--repeats", "0"], "--repeats")])
 def test_bad_settings_name_the_flag(argv, flag):
     with pytest.raises(ValueError, match=f"\\({flag}\\) must be >= "):
         bench_cli.settings_from_args(_bench_args(argv))
+
+
+def test_median_run_takes_the_middle_run_and_the_faster_of_two():
+    runs = [Run(tokens=[1], seconds=s) for s in (3.0, 1.0, 2.0, 4.0)]
+    assert bench.median_run(runs[:3]).seconds == 2.0
+    assert bench.median_run(runs[:2]).seconds == 1.0  # the faster of the middle two
+    assert bench.median_run(runs).seconds == 2.0
+    with pytest.raises(ValueError, match="at least one run"):
+        bench.median_run([])
+
+
+class _ScriptedMethod(bench.Method):
+    """A method whose n-th run returns its n-th scripted ``(tokens, seconds)``, for the repeated wall-clock pass."""
+
+    def __init__(self, name, script):
+        super().__init__(name)
+        self.script, self.calls = script, 0
+
+    def run(self, target, ids, max_new_tokens, drafters, seed=0):
+        tokens, seconds = self.script[self.calls]
+        self.calls += 1
+        return Run(tokens=tokens, seconds=seconds)
+
+
+def test_repeated_wall_clock_pass_reports_median_runs_and_checks_every_run():
+    # plain: 2, 1, 3 s -> median 2 s; m: 1, 0.5, 2 s -> median 1 s, so the prompt's speedup is 2.0; m's third run
+    # differs from plain at new token 2 although its median run does not
+    plain = _ScriptedMethod("plain", [([1, 2, 3], 2.0), ([1, 2, 3], 1.0), ([1, 2, 3], 3.0)])
+    m = _ScriptedMethod("m", [([1, 2, 3], 1.0), ([1, 2, 3], 0.5), ([1, 2, 4], 2.0)])
+    settings = bench.BenchSettings(repeats=3, warmup_tokens=0)
+    records = bench.wall_clock_pass(None, {}, [plain, m], {"s": [("p0", [7, 8])]}, settings, log=lambda *a: None)
+    assert (plain.calls, m.calls) == (3, 3)
+    assert [r.seconds for r in records["s"][0]["repeats"]["m"]] == [1.0, 0.5, 2.0]
+    summary, mismatches = bench.summarize_wall_clock(records, [plain, m], log=lambda *a: None)
+    row = summary["s"]["m"]["per_prompt"][0]
+    assert row["seconds"] == 1.0 and row["speedup"] == pytest.approx(2.0)
+    assert row["speedup_runs"] == pytest.approx([2.0, 2.0, 1.5])  # each run against plain's run of the same repeat
+    assert not row["identical"] and summary["s"]["m"]["mismatches"] == 1
+    assert mismatches == [{"suite": "s", "prompt": "p0", "method": "m", "position": 2, "tokens": 3, "plain_tokens": 3}]
 
 
 def test_pooled_tau_weights_prompts_by_rounds():

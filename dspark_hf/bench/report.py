@@ -56,7 +56,7 @@ def _header_section(result: BenchResult) -> list[str]:
         f"transformers {m.transformers} · linear kernels: {m.linear_kernels} · "
         f"runtime {result.runtime_s / 60:.1f} min",
         "",
-        f"γ = {s.gamma}, {s.max_new_tokens} new tokens, up to {s.limit} prompts per suite "
+        f"γ = {s.gamma}, {s.max_new_tokens} new tokens, up to {s.limit} prompt{'s' * (s.limit != 1)} per suite "
         f"(≤ {s.max_prompt_tokens} prompt tokens): "
         + ", ".join(f"{n} {v.n_prompts}" for n, v in result.suites.items()) + ".",
         "",
@@ -129,7 +129,10 @@ def _sweep_table(result: BenchResult, entry) -> list[str]:
 def _wall_clock_section(result: BenchResult) -> list[str]:
     """Greedy wall clock per suite and method, the worst prompts, and the built-in dflash status."""
     wall = result.wall_clock
-    out = ["## Wall clock (greedy; methods interleaved per prompt)", "",
+    repeats = result.settings.repeats or 1
+    runs = (f"; {repeats} runs of each per prompt, a prompt's figures are those of each method's median run by wall "
+            "time" if repeats > 1 else "")
+    out = [f"## Wall clock (greedy; methods interleaved per prompt{runs})", "",
            f"Greedy outputs differing from plain `generate`: **{wall.mismatches_total}**", ""]
     for suite, per_method in wall.suites.items():
         rows = [[name, v.median_tokens_per_s, v.median_speedup, v.min_speedup, v.speedup_of_medians, v.tau,
@@ -201,6 +204,8 @@ def _floor_section(result: BenchResult) -> list[str]:
                 "online updates) + transformers' assisted loop (inputs, acceptance, cache crop, stopping); a plain "
                 "step = forward + generate's loop.", "",
                 _table(["method · suite", "prompts", "rounds", *columns, "worst prompt", "on"], rows), ""]
+    elif result.settings.floor_repeats == 0:
+        out += ["**The floor** (pass 4) was skipped (`--floor-repeats 0`).", ""]
     if result.floor_cost:
         rows = [[f"{method} · {suite}", f.prompts, f.floor_rounds, *(getattr(f, k) for k in parts), _ratio(f.ratio),
                  _ratio(f.worst_ratio), f.context_ms_per_token, f.prefill_ms, f.prefill_extension_ms]

@@ -66,6 +66,7 @@ from ..evaluation.bench_result import (
     SuiteRecord,
     WallClock,
 )
+from ..evaluation.runs import Run
 from ..metrics import conditional_acceptance, tau
 from .analysis import (
     best_threshold,
@@ -126,10 +127,12 @@ def greedy_rounds(records: dict, drafters) -> dict:
 
 
 def wall_clock_pass(target, drafters, methods: list[Method], suites, settings: BenchSettings, log=_log_default) -> dict:
-    """Passes 2 and 3: every method on every prompt, interleaved (order rotated per prompt), greedy.
+    """Passes 2 and 3: every method on every prompt, interleaved (order rotated per run), greedy,
+    ``settings.repeats`` runs of each per prompt.
 
     Returns:
-        ``{suite: [{"id", "prompt_tokens", "runs": {method: {"tokens", "seconds", "stats"|"builtin_rounds"}}}]}``.
+        ``{suite: [{"id", "prompt_tokens", "runs": {method: Run}, "repeats": {method: [Run, ...]}}]}``: ``runs``
+        holds each method's median run by wall time (:func:`median_run`), ``repeats`` all of them in order.
     """
     first = next((p for prompts in suites.values() for p in prompts), None)
     if first is not None and settings.warmup_tokens > 0:  # allocator, kernels and lazy SPS profiling, untimed
@@ -140,16 +143,29 @@ def wall_clock_pass(target, drafters, methods: list[Method], suites, settings: B
     for suite, prompts in suites.items():
         out[suite] = []
         for index, (prompt_id, ids) in enumerate(prompts):
-            shift = counter % len(methods)
-            counter += 1
-            runs = {}
-            for method in methods[shift:] + methods[:shift]:
-                runs[method.name] = method.run(target, ids, settings.max_new_tokens, drafters)
+            repeats = {m.name: [] for m in methods}
+            for _ in range(settings.repeats):
+                shift, counter = counter % len(methods), counter + 1
+                for method in methods[shift:] + methods[:shift]:
+                    repeats[method.name].append(method.run(target, ids, settings.max_new_tokens, drafters))
+            runs = {name: median_run(r) for name, r in repeats.items()}
             plain = runs["plain"]
             log(f"[wall] {suite} {index + 1}/{len(prompts)}: plain {plain.tokens_per_s:.1f} tok/s; " + ", ".join(
                 f"{m.name} x{runs[m.name].tokens_per_s / plain.tokens_per_s:.2f}" for m in methods[1:]))
-            out[suite].append({"id": prompt_id, "prompt_tokens": len(ids), "runs": runs})
+            out[suite].append({"id": prompt_id, "prompt_tokens": len(ids), "runs": runs, "repeats": repeats})
     return out
+
+
+def median_run(runs: Sequence[Run]) -> Run:
+    """The run of median wall time; of an even number, the faster of the middle two (so of two runs the faster:
+    a run slowed by other load is dropped, one sped up by nothing is not possible).
+
+    Raises:
+        ValueError: no runs.
+    """
+    if not runs:
+        raise ValueError("median_run needs at least one run")
+    return sorted(runs, key=lambda r: r.seconds)[(len(runs) - 1) // 2]
 
 
 def _tau_of_run(run) -> float | None:
@@ -174,7 +190,9 @@ def summarize_wall_clock(records: dict, methods: list[Method], log=_log_default)
             rows = []
             for p in prompts:
                 run, plain = p["runs"][method.name], p["runs"]["plain"]
-                where = first_divergence(run.tokens, plain.tokens)
+                repeats = p["repeats"][method.name]
+                where = min((w for w in (first_divergence(r.tokens, plain.tokens) for r in repeats) if w is not None),
+                            default=None)
                 if where is not None:
                     mismatches.append({"suite": suite, "prompt": p["id"], "method": method.name, "position": where,
                                        "tokens": len(run.tokens), "plain_tokens": len(plain.tokens)})
@@ -188,6 +206,8 @@ def summarize_wall_clock(records: dict, methods: list[Method], log=_log_default)
                     "tau": _tau_of_run(run),
                     "rounds": rounds_of(run),
                     "identical": where is None,
+                    "speedup_runs": [r.tokens_per_s / q.tokens_per_s for r, q in zip(repeats, p["repeats"]["plain"])]
+                    if len(repeats) > 1 else None,
                 })
             plain_median = median([p["runs"]["plain"].tokens_per_s for p in prompts])
             tps = median([r["tokens_per_s"] for r in rows])

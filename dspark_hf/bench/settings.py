@@ -28,12 +28,15 @@ class BenchSettings:
         "help": "prompt_lookup_num_tokens of the prompt-lookup baseline (default: 7)"})
     warmup_tokens: int = field(default=8, metadata={"help": "one untimed generation of this length per method before "
                                                             "pass 2 (default 8)"})
+    repeats: int = field(default=1, metadata={
+        "help": "wall-clock runs of every method per prompt (passes 2 and 3), interleaved with the order rotated each "
+                "time; a prompt's time per method is the median of its runs (default 1)"})
     floor_repeats: int = field(default=2, metadata={
         "help": "the floor pass (pass 4, the floor table): each prompt this many times with the default method's drafting forced "
                 "off, interleaved with plain generate (default 2; 0 skips it)"})
 
     def __post_init__(self):
         for name, value, least in (("gamma", self.gamma, 1), ("max_new_tokens", self.max_new_tokens, 2),
-                                   ("limit", self.limit, 1), ("floor_repeats", self.floor_repeats, 0)):
+                                   ("limit", self.limit, 1), ("repeats", self.repeats, 1), ("floor_repeats", self.floor_repeats, 0)):
             if value < least:
                 raise ValueError(f"{name} (--{name.replace('_', '-')}) must be >= {least}, got {value}")

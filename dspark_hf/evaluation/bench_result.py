@@ -89,8 +89,9 @@ class RunSettings(Record):
         gamma: drafts per round γ. max_new_tokens: new tokens per generation. limit: prompts per suite at most.
         max_prompt_tokens: longer chat-formatted prompts were skipped. thresholds: static thresholds of the sweep.
         sampling_temperature: temperature of the ``t1`` τ pass. prompt_lookup_num_tokens: of the prompt-lookup
-        baseline. warmup_tokens: length of the untimed warm-up generation per method. floor_repeats: runs per prompt
-        of the floor pass (absent in older files). math_filter: :class:`MathFilter`.
+        baseline. warmup_tokens: length of the untimed warm-up generation per method. repeats: wall-clock runs per
+        method and prompt (absent in older files: 1). floor_repeats: runs per prompt of the floor pass (absent in
+        older files). math_filter: :class:`MathFilter`.
     """
 
     gamma: int
@@ -101,6 +102,7 @@ class RunSettings(Record):
     sampling_temperature: float
     prompt_lookup_num_tokens: int
     warmup_tokens: int
+    repeats: int | None = field(default=None, metadata={"omit_none": True})
     floor_repeats: int | None = field(default=None, metadata={"omit_none": True})
     math_filter: MathFilter | None = None
 
@@ -196,8 +198,10 @@ class DrafterConfidence(Record):
 @dataclass
 class PromptRun(Record):
     """One method on one prompt (greedy): prompt ``id``, ``new_tokens``, ``seconds`` (wall), ``tokens_per_s``,
-    ``speedup`` over plain on the same prompt, ``tau`` and ``rounds`` (``None`` for methods without rounds) and
-    whether the output is ``identical`` to plain ``generate``'s."""
+    ``speedup`` over plain on the same prompt, ``tau`` and ``rounds`` (``None`` for methods without rounds),
+    whether the output is ``identical`` to plain ``generate``'s (in every run) and, with ``--repeats`` > 1,
+    ``speedup_runs``: each run's speedup over plain's run of the same repeat (the reported figures are of each
+    method's median run)."""
 
     id: str
     new_tokens: int
@@ -207,6 +211,7 @@ class PromptRun(Record):
     tau: float | None
     rounds: int | None
     identical: bool
+    speedup_runs: list[float] | None = field(default=None, metadata={"omit_none": True})
 
 
 @dataclass

@@ -284,7 +284,7 @@ def _noisy_message(curve: SPSCurve) -> str:
     return (f"The SPS curve of {curve.target_name or 'this target'} is noisy (medians known only to "
             f"±{100 * curve.spread:.0f} %): the machine has other load. It is used anyway and refined online from "
             "each round's verification time; for a clean one run `dspark profile --refresh` on a quiet machine "
-            "(and keep --threads 1 on a shared CPU).")
+            "(on a machine with other load use --threads 1: more torch threads than idle cores collapse).")
 
 
 def sps_cache_path(target: torch.nn.Module, context_len: int = 256) -> Path:
