@@ -25,8 +25,8 @@ ONLINE_WEIGHT = 0.2  # weight of a new observation in the running estimates
 MARGIN = 0.10  # by the model, a drafting step must promise this much more throughput than a plain one
 MEASURED_MARGIN = 0.05  # measured, drafting steps must reach this much more throughput than plain ones (noise)
 CONFIRM_STEPS = 2  # drafting steps in a row a re-measure runs before its measurement can restart drafting
-LOSS_BOUND = 0.005  # re-measures cost at most this share of the plain steps' time (unless the wait is at its cap)
-MAX_PROBE_INTERVAL = 256  # plain steps between two re-measures, at most
+LOSS_BOUND = 0.02  # re-measures cost at most this share of the plain steps' time (unless the interval is at its cap)
+MAX_PROBE_INTERVAL = 64  # plain steps between two re-measures, at most
 
 
 def _blend(table: dict[int, float], key: int, value: float) -> None:
