@@ -441,11 +441,11 @@ def test_draft_gate_backs_off_so_re_measures_cost_at_most_the_loss_bound():
     assert not gate.drafts(costs, 4, 8) and not gate.drafts(costs, 2, 0)  # no plain rate at R yet: plain measures it
     gate.observe_step(4, 0, emitted=4, step_ms=80.0)
     # a drafting step costs 160 / 120 · (1 − 0.9375) = 1/12 plain step beyond plain decoding: re-measure after
-    # ⌈(1/12) / 0.005⌉ = 17 plain steps, then after 34, 68, 136 and 256 (the cap)
+    # ⌈(1/12) / 0.02⌉ = 5 plain steps, then after 10, 20, 40 and 64 (the cap)
     assert gate.remeasure_cost(costs, 4, 0) == pytest.approx(1 / 12)
-    decisions = [gate.drafts(costs, 4, 0) for _ in range(17 + 34 + 68 + 136 + 256)]
-    assert [i for i, d in enumerate(decisions) if d] == [16, 50, 118, 254, 510]
-    assert gate.interval == {4: 256}
+    decisions = [gate.drafts(costs, 4, 0) for _ in range(5 + 10 + 20 + 40 + 64)]
+    assert [i for i, d in enumerate(decisions) if d] == [4, 14, 34, 74, 138]
+    assert gate.interval == {4: 64}
     gate.observe_step(4, 4, emitted=6, step_ms=150.0)  # measured 0.04 against 0.05 tokens/ms: the measured ratio
     assert gate.remeasure_cost(costs, 4, 0) == pytest.approx(160 / 120 * (1 - 0.8))
     gate.observe_step(4, 2, emitted=5, step_ms=10.0)  # two of four drafted (no room): a rate of neither kind
