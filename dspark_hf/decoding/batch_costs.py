@@ -27,7 +27,6 @@ MEASURED_MARGIN = 0.05  # measured, drafting steps must reach this much more thr
 CONFIRM_STEPS = 2  # drafting steps in a row a re-measure runs before its measurement can restart drafting
 LOSS_BOUND = 0.02  # re-measures cost at most this share of the plain steps' time (unless the interval is at its cap)
 MAX_PROBE_INTERVAL = 64  # plain steps between two re-measures, at most
-RATE_DECAY = 0.05  # the measured rates' running sums of tokens and ms fade by this share per step (~40-step window)
 
 
 def _blend(table: dict[int, float], key: int, value: float) -> None:
@@ -113,12 +112,7 @@ class DraftGate:
 
     Attributes:
         tokens_per_request / verified_per_request: ``t̄`` and ``b̄`` by ``R`` (empty before the first drafting step).
-        drafting_rate / plain_rate: measured tokens per ms of steps by ``R`` where all requests drafted / none did:
-            the ratio of running sums (tokens over ms, each fading by :data:`RATE_DECAY` per step of its kind), not
-            an average of per-step rates: a drafting step emits 1 to γ + 1 tokens per request, and a short average
-            of such steps swung past the 5 % margin on luck alone (at R = 1 the gate drafted in a third of the steps
-            where fixed k = 2 won 13 %).
-        rate_sums: by ``(drafted, R)``, the running ``[tokens, ms]`` behind those rates.
+        drafting_rate / plain_rate: measured tokens per ms of steps by ``R`` where all requests drafted / none did.
         streak: drafting steps in a row at ``R`` (since the last plain step there).
         interval / plain_steps: by ``R``, the next ``wait``'s floor and plain steps since the last re-measure.
     """
@@ -127,7 +121,6 @@ class DraftGate:
     verified_per_request: dict[int, float] = field(default_factory=dict)
     drafting_rate: dict[int, float] = field(default_factory=dict)
     plain_rate: dict[int, float] = field(default_factory=dict)
-    rate_sums: dict[tuple[bool, int], list[float]] = field(default_factory=dict)
     streak: dict[int, int] = field(default_factory=dict)
     interval: dict[int, int] = field(default_factory=dict)
     plain_steps: dict[int, int] = field(default_factory=dict)
@@ -182,15 +175,12 @@ class DraftGate:
     def observe_step(self, requests: int, drafted: int, emitted: int, step_ms: float) -> None:
         """A whole step's measured throughput (``emitted`` tokens of all requests in ``step_ms``) where ``drafted``
         requests drafted: kept per ``R`` for steps where all drafted or none did (a step where some had no room for
-        drafts is neither; folded into :attr:`rate_sums`); counts the drafting steps in a row at ``R``."""
+        drafts is neither); counts the drafting steps in a row at ``R``."""
         if drafted not in (0, requests):
             return
         self.streak[requests] = self.streak.get(requests, 0) + 1 if drafted else 0
         if step_ms > 0:
-            sums = self.rate_sums.setdefault((bool(drafted), requests), [0.0, 0.0])
-            sums[0] = (1 - RATE_DECAY) * sums[0] + emitted
-            sums[1] = (1 - RATE_DECAY) * sums[1] + step_ms
-            (self.drafting_rate if drafted else self.plain_rate)[requests] = sums[0] / sums[1]
+            _blend(self.drafting_rate if drafted else self.plain_rate, requests, emitted / step_ms)
 
 
 _LEARNT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # drafter -> {settings: (StepCosts, DraftGate)}
