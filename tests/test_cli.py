@@ -221,3 +221,18 @@ def test_import_dspark_hf_is_cheap_and_first_use_wires_it():
             "EXTENSIONS.load_calibration is not None)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.split() == ["False", "True", "True"], proc.stderr[-2000:]
+
+
+def test_concurrency_repeats_reach_the_bench_and_zero_is_refused_before_loading(no_loading, monkeypatch, capsys):
+    with pytest.raises(SystemExit, match="--concurrency-repeats must be >= 1, got 0"):
+        cli.main(["bench", "--concurrency", "1", "--concurrency-repeats", "0"])
+    seen = []
+    monkeypatch.setattr(bench, "load_cli_target", lambda args: (None, None))
+    monkeypatch.setattr("dspark_hf.bench.loading.load_drafters", lambda *args: ({"dspark": None}, {}, []))
+    monkeypatch.setattr("dspark_hf.bench.suites.suite_texts", lambda *args: {})
+    monkeypatch.setattr("dspark_hf.bench.suites.encode_suites", lambda *args: ({"chat": [("a", [1, 2])]}, {}))
+    monkeypatch.setattr("dspark_hf.bench.concurrency.run_concurrency", lambda *args, repeats, **kwargs: seen.append(
+        repeats) or {"rows": [], "settings": {}})
+    cli.main(["bench", "--concurrency", "1", "--limit", "1"])
+    cli.main(["bench", "--concurrency", "1", "--limit", "1", "--concurrency-repeats", "3"])
+    assert seen == [2, 3]

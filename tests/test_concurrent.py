@@ -181,6 +181,38 @@ def test_generate_concurrent_closed_loop_streams_and_frees_finished_requests(tar
     steady = [b for a, b in zip(stats.steps, stats.steps[1:])
               if not a.prefill and a.drafted == a.requests and not b.prefill and b.drafted == b.requests]
     assert steady and all(step.extend_ms == 0 for step in steady)
+    # a newcomer's prompt rides in the running request's round; the scheduled modes verify anchors only there
+    fused = [step for step in stats.steps if step.prefilled and not step.prefill]
+    assert fused and all(step.requests == 2 and step.prefilled == 1 and not step.drafted for step in fused)
+
+
+def test_a_newcomers_prompt_is_prefilled_in_the_running_requests_step(target):
+    """Plain batched decoding, budgets 2 and 5, a third request (budget 3) added when the first finishes: its prompt
+    joins the second request's step (B = 1 + 5 prompt tokens), so 5 forwards serve all three, not 6."""
+    decoder = ConcurrentDecoder(target, None)
+    first, second = decoder.add(PROMPTS[0], 2), decoder.add(PROMPTS[1], 5)
+    with decoder.running():
+        decoder.step()
+        decoder.step()
+        assert first.done and len(second.generated) == 2
+        third = decoder.add(PROMPTS[3], 3)
+        while decoder.active:
+            decoder.step()
+    assert [(s.requests, s.prefilled, s.prefill, s.batch_tokens) for s in decoder.stats.steps] == [
+        (2, 2, True, 4), (2, 0, False, 2), (2, 1, False, 6), (2, 0, False, 2), (2, 0, False, 2)]
+    for request, prompt, budget in ((first, 0, 2), (second, 1, 5), (third, 3, 3)):
+        assert request.generated == plain(target, PROMPTS[prompt], max_new=budget)
+
+
+def test_fixed_mode_drafts_in_a_step_that_prefills_a_newcomer(target, drafter):
+    """``fixed`` drafts in every step, one that prefills a newcomer included; each request equals its plain
+    ``generate``."""
+    prompts = PROMPTS + [[20, 21], [33]]
+    outputs, stats = generate_concurrent(target, drafter, prompts, max_concurrency=2, max_new_tokens=10,
+                                         verification="fixed")
+    assert outputs == [plain(target, prompt, max_new=10) for prompt in prompts]
+    fused = [step for step in stats.steps if step.prefilled and not step.prefill]
+    assert any(step.drafted for step in fused)
 
 
 def test_generate_concurrent_stops_at_the_targets_eos_by_default(target, drafter, monkeypatch):
@@ -291,6 +323,36 @@ def test_batched_sampling_is_exact_per_row(sampling_rows, mode):
         verified += sum(r.scheduled for row in drafter.last_stats.rows for r in row.rounds)
     assert verified > 0
     for (first, second), (law1, law2) in zip(tables, laws):
+        for counts, law in ((first, law1), (second, law2)):
+            x2, df, p = chi_square(counts, law.float(), n)
+            assert p > 1e-3, (mode, x2, df, p)
+
+
+@pytest.mark.parametrize("mode", ["scheduler", "fixed"])
+def test_sampling_is_exact_for_a_newcomer_prefilled_with_a_running_request(sampling_rows, mode):
+    """A closed loop: row 0 stops after one token, row 2 is added then and prefilled in row 1's next step; rows 1 and
+    2 each follow their own target law."""
+    target, prompts, laws = sampling_rows
+    drafter = sampling_drafter(target)
+    n, tables, fused = 200, [(torch.zeros(SV, SV), torch.zeros(SV, SV)) for _ in prompts[1:]], 0
+    torch.manual_seed(99)
+    for _ in range(n):
+        decoder = ConcurrentDecoder(target, drafter, verification=mode, do_sample=True, block_size=4,
+                                    eos_token_ids=())
+        decoder.add(prompts[0], 1)
+        rows = [decoder.add(prompts[1], 3)]
+        with decoder.running():
+            decoder.step()
+            rows.append(decoder.add(prompts[2], 3))
+            while decoder.active:
+                decoder.step()
+        fused += decoder.stats.steps[1].prefilled == 1 and decoder.stats.steps[1].requests == 2
+        for row, (first, second) in zip(rows, tables):
+            t = row.generated
+            first[t[0], t[1]] += 1
+            second[t[1], t[2]] += 1
+    assert fused == n
+    for (first, second), (law1, law2) in zip(tables, laws[1:]):
         for counts, law in ((first, law1), (second, law2)):
             x2, df, p = chi_square(counts, law.float(), n)
             assert p > 1e-3, (mode, x2, df, p)
@@ -445,7 +507,9 @@ def test_concurrency_bench_rows(target, drafter, tmp_path):
         assert best["tok_s_by_k"]["4"] == fixed["aggregate_tok_s"]  # fixed γ = 4 is reused, not run again
         assert best["aggregate_tok_s"] == max(best["tok_s_by_k"].values())
         assert best["tok_s_by_k"][str(best["k"])] == best["aggregate_tok_s"]
-    assert f"| 1 | best_fixed (k = {result['rows'][2]['k']}) |" in markdown(result)
+    table = markdown(result)
+    assert f"| 1 | best_fixed (k = {result['rows'][2]['k']}) |" in table
+    assert "every arm ran 2 times per R" in table and "fixed k of 1, 4 at this R" in table  # the legend
     assert {p.name for p in write(result, tmp_path)} == {"concurrency.json", "concurrency.md",
                                                          "concurrency_frontier.png", "concurrency_budget.png"}
 

@@ -156,12 +156,13 @@ def test_v1_checkpoints_draft_exactly_as_before(folder):
     greedy = drafter.draft(context, int(ids[0, -1]), 7)
     block = drafter.draft(context, int(ids[0, -1]), 7, do_sample=True, generator=torch.Generator().manual_seed(0))
     assert greedy.tokens.tolist() == tokens and block.tokens.tolist() == sampled
-    # rel 1e-6: float32 kernels differ between CPUs and thread counts in the last bits
+    # float32 kernels differ between CPUs and thread counts in the last bits (an AVX-512 Xeon computes one confidence
+    # 1.3e-6 from the value stored on an AMD EPYC); a changed drafter moves these by orders of magnitude more
     assert float(block.logits[torch.isfinite(block.logits)].double().abs().sum()) == pytest.approx(logit_sum, rel=1e-6)
     if confidences is None:
         assert greedy.confidences is None
     else:
-        torch.testing.assert_close(greedy.confidences, torch.tensor(confidences), rtol=0, atol=1e-6)
+        torch.testing.assert_close(greedy.confidences, torch.tensor(confidences), rtol=0, atol=1e-5)
 
 
 def test_cli_generate_compare_json():

@@ -144,8 +144,25 @@ def run_concurrency(target, drafter, prompts: list[list[int]], levels: list[int]
                                        "repeats": repeats, "reported": "fastest repetition per arm, interleaved"}}
 
 
+LEGEND = (
+    "Each row is one arm at one concurrency R: a closed loop serving 2·R prompts with at most R in flight, greedy, "
+    "prefill included; every arm ran {repeats} times per R, interleaved with the other arms (every other time in "
+    "reverse order, so plain batched decoding runs first and last), and the row shows its fastest run. "
+    "**aggregate tok/s**: all tokens generated over the loop's wall time. **per-user median / p10**: each request's "
+    "tokens over its own time in flight, median and 10th percentile over the requests. **× plain (per run)**: "
+    "aggregate tok/s over plain batched decoding's fastest run, then run i over plain's run i. **1+ℓ̄**: tokens "
+    "verified per request and step (the anchor plus ℓ drafts; 1 = no drafts, paper Fig. 8). **τ**: tokens emitted "
+    "per request and step, bonus token included. **rejected**: drafts verified but not accepted. **drafting "
+    "steps**: steps in which the drafter ran, of all steps that advanced a running request. **step ms**: median "
+    "wall time of such a step. **pred. error**: median absolute error of the step-cost model's predicted step time "
+    "(scheduled modes only). **mismatches**: requests whose greedy output differs from plain batched decoding's. "
+    "`best_fixed` is the fastest fixed k of {ks} at this R (an oracle: each R picks its own k)."
+)
+
+
 def markdown(result: dict) -> str:
-    """The table of :func:`run_concurrency` as Markdown (× plain: fastest over fastest, then run by run)."""
+    """The table of :func:`run_concurrency` as Markdown (× plain: fastest over fastest, then run by run), then
+    :data:`LEGEND`, what each column means."""
     lines = ["| R | arm | aggregate tok/s | per-user median / p10 | × plain (per run) | 1+ℓ̄ | τ | rejected | drafting steps "
              "| step ms | pred. error | mismatches |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
@@ -157,7 +174,10 @@ def markdown(result: dict) -> str:
                      f"{r['per_user_tok_s_median']:.1f} / {r['per_user_tok_s_p10']:.1f} | {speed} | "
                      f"{r['verified_per_request']:.2f} | {r['tau']:.2f} | {r['rejected_drafts']} | "
                      f"{r['drafting_steps']}/{r['steps']} | {r['step_ms_median']:.0f} | {error} | {r['mismatches']} |")
-    return "\n".join(lines) + "\n"
+    settings = result["settings"]
+    legend = LEGEND.format(repeats=settings.get("repeats", REPEATS),
+                           ks=", ".join(map(str, settings.get("fixed_ks", FIXED_KS))))
+    return "\n".join(lines) + "\n\n" + legend + "\n"
 
 
 def write(result: dict, out_dir: str | os.PathLike) -> list[Path]:

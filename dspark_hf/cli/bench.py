@@ -57,6 +57,8 @@ def run(args):
         spec = parse_drafters(args.drafters)
     except ValueError as err:  # before the target loads: a typo costs nothing
         sys.exit(f"dspark bench: {err}")
+    if args.concurrency_repeats < 1:
+        sys.exit(f"dspark bench: --concurrency-repeats must be >= 1, got {args.concurrency_repeats}")
     names = args.suites.split(",") if args.suites else (["custom"] if args.prompts else list(SUITES))
     if args.prompts and "custom" not in names:
         names.append("custom")
@@ -100,7 +102,8 @@ def _run_concurrency(args, target, drafters, suites, settings):
     name, drafter = next(iter(drafters.items()))
     prompts = [ids for pairs in zip(*suites.values()) for _, ids in pairs] or next(iter(suites.values()))
     result = run_concurrency(target, drafter, [list(map(int, p)) for p in prompts], levels, settings.max_new_tokens,
-                             settings.gamma, log=lambda line: print(line, file=sys.stderr))
+                             settings.gamma, log=lambda line: print(line, file=sys.stderr),
+                             repeats=args.concurrency_repeats)
     result["settings"].update(drafter=name, command=shlex.join(["dspark", *sys.argv[1:]]))
     if args.out:
         paths = write(result, args.out)
@@ -113,6 +116,7 @@ def add_parser(sub):
     what to run on and where to write; a settings flag that is not given leaves the dataclass default."""
     from transformers import HfArgumentParser
 
+    from ..bench.concurrency import REPEATS
     from ..bench.settings import BenchSettings
     from ..bench.suites import OTHER_SUITES, SUITES
 
@@ -134,4 +138,7 @@ def add_parser(sub):
                                                        "decoding, fixed γ, the best fixed k per R, threshold, "
                                                        "Algorithm 1 and async "
                                                        "(concurrency.json/.md and two PNGs in --out)")
+    p.add_argument("--concurrency-repeats", type=int, default=REPEATS,
+                   help=f"with --concurrency: timed closed loops per arm and R, interleaved, the fastest reported "
+                        f"(default {REPEATS})")
     return p

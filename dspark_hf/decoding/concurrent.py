@@ -2,8 +2,8 @@
 
 Each step (:meth:`ConcurrentDecoder.step`):
 
-1. requests admitted since the last step are prefilled, all in one ragged forward (their first token comes
-   from it); otherwise
+1. requests admitted since the last step are prefilled in the same ragged forward as the running requests'
+   round (chunked-prefill style; their first token comes from it), so a newcomer never stalls the others;
 2. every running request drafts a block of ``γ_r = min(γ, tokens left − 1)`` from its own context;
 3. the verification mode picks ``ℓ_1 .. ℓ_R``: ``scheduler`` / ``async`` run Algorithm 1 across the requests
    (:func:`~dspark_hf.decoding.scheduler.schedule_batch`, the ``async`` mode as the §5.2 global search on
@@ -211,68 +211,64 @@ class ConcurrentDecoder:
     # ---------------------------------------------------------------------------------------------- step
     @torch.no_grad()
     def step(self) -> dict[int, list[int]]:
-        """Advance every active request by one target forward (a prefill of the new ones, else one round).
+        """Advance every active request by one target forward: a round of the running ones, with the prompts of the
+        newly added ones prefilled in the same forward (or a prefill alone when none runs yet).
 
         Returns:
             ``{request index: tokens emitted}`` for the requests in the forward.
         """
         start = time.perf_counter()
-        fresh = [r for r in self.active if r.kv.length == 0]
-        if fresh:
-            emitted = self._prefill(fresh)
-        else:
-            emitted = self._round(self.active) if self.active else {}
+        active = self.active
+        running, fresh = [r for r in active if r.kv.length > 0], [r for r in active if r.kv.length == 0]
+        emitted = self._round(running, fresh) if active else {}
         if self.stats.steps:
             step = self.stats.steps[-1]
             step.step_ms = 1e3 * (time.perf_counter() - start)
-            if self.costs is not None and not step.prefill:
+            if self.costs is not None and not step.prefill and not step.prefilled:
                 # the context catch-up (a prompt, or the steps since a request last drafted) is left out: it
-                # prices the past steps, not this one; a drafting step's own extension stays in
+                # prices the past steps, not this one; a drafting step's own extension stays in. A step that also
+                # prefilled is the prompts' price: it teaches neither the model nor the gate.
                 self.costs.observe(step.requests, step.step_ms - step.verify_ms - step.draft_ms,
                                    step.draft_ms - step.extend_ms if step.drafted == step.requests else None)
                 self.gate.observe_step(step.requests, step.drafted, sum(map(len, emitted.values())),
                                        step.step_ms - step.extend_ms)
         return emitted
 
-    def _prefill(self, requests: list[Request]) -> dict[int, list[int]]:
-        """Phase 1: all new prompts in one ragged forward; the first token of each from its last position."""
-        segments = [r.ids for r in requests]
-        ends = torch.tensor([len(s) for s in segments]).cumsum(0) - 1
-        logits, hidden = self._forward(requests, segments, ends)
-        self.stats.steps.append(StepStats(len(requests), int(ends[-1]) + 1, True, verify_ms=self._last_forward_ms))
-        emitted, offset = {}, 0
-        for i, request in enumerate(requests):
-            n = len(segments[i])
-            self._keep_features(request, hidden, offset, n)
-            offset += n
-            row = self._process(request, request.padding + request.ids, logits[i:i + 1])
-            token = accept_drafts(torch.tensor([request.ids]), torch.empty(0, dtype=torch.long), None, row,
-                                  self.do_sample)
-            emitted[request.index] = self._emit(request, token)
-        return emitted
+    def _round(self, requests: list[Request], fresh: list[Request]) -> dict[int, list[int]]:
+        """Phases 2-5 for the running ``requests`` (draft, schedule, verify in one forward, accept and roll back per
+        request), with the prompts of the ``fresh`` requests prefilled in the same ragged forward (chunked-prefill
+        style: a newcomer's prompt never costs the running requests a step of their own); each fresh request's
+        first token comes from its prompt's last position (phase 1).
 
-    def _round(self, requests: list[Request]) -> dict[int, list[int]]:
-        """Phases 2-5: draft, schedule, verify in one forward, accept and roll back per request."""
+        In the scheduled modes a step that prefills verifies the running requests' anchors only, without asking the
+        gate: its time is mostly the prompts', so it measures neither drafting nor plain decoding (decided before
+        any draft: lossless). ``fixed`` and ``threshold`` draft as in any step.
+        """
         contexts = [r.kv.length for r in requests]
-        context = sum(contexts) // len(contexts)
-        drafts = self.drafter is not None
-        if self.costs is not None:  # decided from past steps only: lossless
-            drafts = self.gate.drafts(self.costs, len(requests), context)
+        context = sum(contexts) // len(contexts) if requests else 0
+        drafts = self.drafter is not None and bool(requests)
+        if self.costs is not None and drafts:  # decided from past steps only: lossless
+            drafts = not fresh and self.gate.drafts(self.costs, len(requests), context)
         draft_start, self._extend_ms = time.perf_counter(), 0.0
         blocks = self._draft(requests) if drafts else [None] * len(requests)
         drafting = sum(b is not None for b in blocks)  # all, or fewer where requests have no room for drafts
         draft_ms = 1e3 * (time.perf_counter() - draft_start)
-        lengths = self._schedule(requests, blocks, context)
+        lengths = self._schedule(requests, blocks, context) if requests else []
         segments = [[r.ids[-1]] + (b.tokens[:n].tolist() if b is not None else []) for r, b, n in
                     zip(requests, blocks, lengths)]
-        total = sum(len(s) for s in segments)
-        predicted = self.costs.predict_ms(total, len(requests), context, drafting) if self.costs is not None else 0.0
-        logits, hidden = self._forward(requests, segments, torch.arange(total))
-        step = StepStats(len(requests), total, False, list(lengths), draft_ms, self._last_forward_ms,
-                         predicted_ms=predicted, drafted=drafting, extend_ms=self._extend_ms)
+        verified = sum(len(s) for s in segments)  # B of the round: all its rows are kept
+        prompts = [r.ids for r in fresh]  # then the prompts: only their last rows are kept
+        ends = verified + torch.tensor([len(p) for p in prompts], dtype=torch.long).cumsum(0) - 1
+        predicted = 0.0
+        if self.costs is not None and requests and not fresh:
+            predicted = self.costs.predict_ms(verified, len(requests), context, drafting)
+        logits, hidden = self._forward(requests + fresh, segments + prompts, torch.cat([torch.arange(verified), ends]))
+        step = StepStats(len(requests) + len(fresh), verified + sum(map(len, prompts)), not requests, list(lengths),
+                         draft_ms, self._last_forward_ms, predicted_ms=predicted, drafted=drafting,
+                         extend_ms=self._extend_ms, prefilled=len(fresh))
         self.stats.steps.append(step)
-        if self.costs is not None and self.sps.online:  # the curve learns this B at the requests' mean context
-            self.sps.observe(total, context, step.verify_ms / 1e3)
+        if self.costs is not None and self.sps.online and requests and not fresh:
+            self.sps.observe(verified, context, step.verify_ms / 1e3)  # the curve learns this B at the mean context
         emitted, offset = {}, 0
         for request, block, n, segment, cached in zip(requests, blocks, lengths, segments, contexts):
             m = len(segment)
@@ -292,8 +288,15 @@ class ConcurrentDecoder:
                 confidences=block.confidences.tolist() if block is not None and block.confidences is not None else [],
                 draft_ms=draft_ms / len(requests), verify_ms=step.verify_ms))
             emitted[request.index] = out
-        if drafting == len(requests) and self.costs is not None:  # what the requests got
-            self.gate.observe(len(requests), sum(map(len, emitted.values())), total)
+        if requests and drafting == len(requests) and self.costs is not None:  # what the requests got
+            self.gate.observe(len(requests), sum(len(emitted[r.index]) for r in requests), verified)
+        for request, prompt, row in zip(fresh, prompts, range(verified, verified + len(fresh))):
+            self._keep_features(request, hidden, offset, len(prompt))
+            offset += len(prompt)
+            first = self._process(request, request.padding + request.ids, logits[row:row + 1])
+            token = accept_drafts(torch.tensor([request.ids]), torch.empty(0, dtype=torch.long), None, first,
+                                  self.do_sample)
+            emitted[request.index] = self._emit(request, token)
         return emitted
 
     # ------------------------------------------------------------------------------------------ phases

@@ -105,7 +105,10 @@ class StepStats:
     Attributes:
         requests: requests in the forward.
         batch_tokens: ``B``, tokens verified (or prefilled) in it.
-        prefill: whether it prefilled newly admitted requests.
+        prefill: whether it only prefilled newly admitted requests (no request was running yet).
+        prefilled: requests whose prompts it prefilled (the newly admitted ones, counted in ``requests`` and their
+            prompt tokens in ``batch_tokens``; in a step that is not ``prefill`` they ride with the running
+            requests' round).
         lengths: ``ℓ_r`` per request (empty for a prefill).
         draft_ms / verify_ms / step_ms: the drafter passes, the target forward, the whole step (ms).
         extend_ms: the part of ``draft_ms`` that caught a request's drafter context up: its prompt's features, or
@@ -127,6 +130,7 @@ class StepStats:
     predicted_ms: float = 0.0
     drafted: int = 0
     extend_ms: float = 0.0
+    prefilled: int = 0
 
 
 @dataclass
