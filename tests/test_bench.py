@@ -14,9 +14,10 @@ from conftest import CPU_MS, tiny_llama, tiny_sps_curve
 
 import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
 from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling
-from dspark_hf.bench import loading, report
+from dspark_hf.bench import loading, report, wall_clock
 from dspark_hf.bench import runner as bench
 from dspark_hf.bench import suites as suites_mod
+from dspark_hf.bench.analysis import first_divergence
 from dspark_hf.cli import bench as bench_cli
 from dspark_hf.decoding.stats import GenerationStats, RoundStats, full_rounds
 from dspark_hf.evaluation.bench_result import BenchResult
@@ -103,9 +104,9 @@ def test_full_rounds_drop_partial_and_last_rounds():
 
 
 def test_small_helpers(tmp_path):
-    assert bench.first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert bench.first_divergence([1, 2, 3], [1, 5, 3]) == 1
-    assert bench.first_divergence([1, 2], [1, 2, 3]) == 2
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
     assert loading.parse_drafters("a=x, b=/y/z") == {"a": "x", "b": "/y/z"}
     with pytest.raises(ValueError):
         loading.parse_drafters("a")
@@ -267,11 +268,11 @@ def test_bad_settings_name_the_flag(argv, flag):
 
 def test_median_run_takes_the_middle_run_and_the_faster_of_two():
     runs = [Run(tokens=[1], seconds=s) for s in (3.0, 1.0, 2.0, 4.0)]
-    assert bench.median_run(runs[:3]).seconds == 2.0
-    assert bench.median_run(runs[:2]).seconds == 1.0  # the faster of the middle two
-    assert bench.median_run(runs).seconds == 2.0
+    assert wall_clock.median_run(runs[:3]).seconds == 2.0
+    assert wall_clock.median_run(runs[:2]).seconds == 1.0  # the faster of the middle two
+    assert wall_clock.median_run(runs).seconds == 2.0
     with pytest.raises(ValueError, match="at least one run"):
-        bench.median_run([])
+        wall_clock.median_run([])
 
 
 class _ScriptedMethod(bench.Method):
@@ -293,10 +294,10 @@ def test_repeated_wall_clock_pass_reports_median_runs_and_checks_every_run():
     plain = _ScriptedMethod("plain", [([1, 2, 3], 2.0), ([1, 2, 3], 1.0), ([1, 2, 3], 3.0)])
     m = _ScriptedMethod("m", [([1, 2, 3], 1.0), ([1, 2, 3], 0.5), ([1, 2, 4], 2.0)])
     settings = bench.BenchSettings(repeats=3, warmup_tokens=0)
-    records = bench.wall_clock_pass(None, {}, [plain, m], {"s": [("p0", [7, 8])]}, settings, log=lambda *a: None)
+    records = wall_clock.wall_clock_pass(None, {}, [plain, m], {"s": [("p0", [7, 8])]}, settings, log=lambda *a: None)
     assert (plain.calls, m.calls) == (3, 3)
     assert [r.seconds for r in records["s"][0]["repeats"]["m"]] == [1.0, 0.5, 2.0]
-    summary, mismatches = bench.summarize_wall_clock(records, [plain, m], log=lambda *a: None)
+    summary, mismatches = wall_clock.summarize_wall_clock(records, [plain, m], log=lambda *a: None)
     row = summary["s"]["m"]["per_prompt"][0]
     assert row["seconds"] == 1.0 and row["speedup"] == pytest.approx(2.0)
     assert row["speedup_runs"] == pytest.approx([2.0, 2.0, 1.5])  # each run against plain's run of the same repeat
@@ -306,8 +307,8 @@ def test_repeated_wall_clock_pass_reports_median_runs_and_checks_every_run():
 
 def test_pooled_tau_weights_prompts_by_rounds():
     rows = [{"tau": 2.0, "rounds": 10}, {"tau": 1.0, "rounds": 30}, {"tau": None, "rounds": None}]
-    assert bench.pooled_tau(rows) == pytest.approx((20 + 30) / 40)  # not the mean of per-prompt τ, 1.5
-    assert bench.pooled_tau(rows[2:]) is None
+    assert wall_clock.pooled_tau(rows) == pytest.approx((20 + 30) / 40)  # not the mean of per-prompt τ, 1.5
+    assert wall_clock.pooled_tau(rows[2:]) is None
 
 
 def test_runner_end_to_end(tmp_path):

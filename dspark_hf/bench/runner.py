@@ -45,7 +45,7 @@ hybrids), 12 prompts x ~15 generations x ~5 s ≈ 14-17 min, and the floor pass 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict
 
 from ..decoding.stats import full_rounds
@@ -66,12 +66,10 @@ from ..evaluation.bench_result import (
     SuiteRecord,
     WallClock,
 )
-from ..evaluation.runs import Run
 from ..metrics import conditional_acceptance, tau
 from .analysis import (
     best_threshold,
     confidence_summary,
-    first_divergence,
     median,
     threshold_sweep,
 )
@@ -84,10 +82,10 @@ from .methods import (
     floor_methods,
     merge_threshold_methods,
     plan_methods,
-    rounds_of,
     threshold_methods,
 )
 from .settings import BenchSettings
+from .wall_clock import summarize_wall_clock, wall_clock_pass
 
 
 def sampled_rounds_pass(target, drafters, suites, settings: BenchSettings, log=_log_default) -> dict:
@@ -124,114 +122,6 @@ def greedy_rounds(records: dict, drafters) -> dict:
     """
     return {name: {suite: [p["runs"][f"{name}:fixed"].stats for p in prompts] for suite, prompts in records.items()}
             for name in drafters}
-
-
-def wall_clock_pass(target, drafters, methods: list[Method], suites, settings: BenchSettings, log=_log_default) -> dict:
-    """Passes 2 and 3: every method on every prompt, interleaved (order rotated per run), greedy,
-    ``settings.repeats`` runs of each per prompt.
-
-    Returns:
-        ``{suite: [{"id", "prompt_tokens", "runs": {method: Run}, "repeats": {method: [Run, ...]}}]}``: ``runs``
-        holds each method's median run by wall time (:func:`median_run`), ``repeats`` all of them in order.
-    """
-    first = next((p for prompts in suites.values() for p in prompts), None)
-    if first is not None and settings.warmup_tokens > 0:  # allocator, kernels and lazy SPS profiling, untimed
-        for method in methods:
-            method.run(target, first[1], settings.warmup_tokens, drafters)
-    out = {}
-    counter = 0
-    for suite, prompts in suites.items():
-        out[suite] = []
-        for index, (prompt_id, ids) in enumerate(prompts):
-            repeats = {m.name: [] for m in methods}
-            for _ in range(settings.repeats):
-                shift, counter = counter % len(methods), counter + 1
-                for method in methods[shift:] + methods[:shift]:
-                    repeats[method.name].append(method.run(target, ids, settings.max_new_tokens, drafters))
-            runs = {name: median_run(r) for name, r in repeats.items()}
-            plain = runs["plain"]
-            log(f"[wall] {suite} {index + 1}/{len(prompts)}: plain {plain.tokens_per_s:.1f} tok/s; " + ", ".join(
-                f"{m.name} x{runs[m.name].tokens_per_s / plain.tokens_per_s:.2f}" for m in methods[1:]))
-            out[suite].append({"id": prompt_id, "prompt_tokens": len(ids), "runs": runs, "repeats": repeats})
-    return out
-
-
-def median_run(runs: Sequence[Run]) -> Run:
-    """The run of median wall time; of an even number, the faster of the middle two (so of two runs the faster:
-    a run slowed by other load is dropped, one sped up by nothing is not possible).
-
-    Raises:
-        ValueError: no runs.
-    """
-    if not runs:
-        raise ValueError("median_run needs at least one run")
-    return sorted(runs, key=lambda r: r.seconds)[(len(runs) - 1) // 2]
-
-
-def _tau_of_run(run) -> float | None:
-    """τ of a speculative run; for the built-in DFlash path ``(new tokens - 1) / rounds`` (the prefill token is
-    not a round; a final plain step when one token is left is counted in, so it can exceed the true τ slightly)."""
-    if run.stats is not None:
-        return run.stats.tau
-    rounds = rounds_of(run)
-    return (len(run.tokens) - 1) / rounds if rounds else None
-
-
-def summarize_wall_clock(records: dict, methods: list[Method], log=_log_default) -> tuple[dict, list[dict]]:
-    """Per suite and method: median tok/s, speedups, τ, mismatches against plain greedy output.
-
-    Returns:
-        ``(summary, mismatches)``; every mismatch is also logged.
-    """
-    summary, mismatches = {}, []
-    for suite, prompts in records.items():
-        per_method = {}
-        for method in methods:
-            rows = []
-            for p in prompts:
-                run, plain = p["runs"][method.name], p["runs"]["plain"]
-                repeats = p["repeats"][method.name]
-                where = min((w for w in (first_divergence(r.tokens, plain.tokens) for r in repeats) if w is not None),
-                            default=None)
-                if where is not None:
-                    mismatches.append({"suite": suite, "prompt": p["id"], "method": method.name, "position": where,
-                                       "tokens": len(run.tokens), "plain_tokens": len(plain.tokens)})
-                    log(f"MISMATCH {suite}/{p['id']} {method.name}: differs from plain greedy at new token {where}")
-                rows.append({
-                    "id": p["id"],
-                    "new_tokens": len(run.tokens),
-                    "seconds": run.seconds,
-                    "tokens_per_s": run.tokens_per_s,
-                    "speedup": run.tokens_per_s / plain.tokens_per_s,
-                    "tau": _tau_of_run(run),
-                    "rounds": rounds_of(run),
-                    "identical": where is None,
-                    "speedup_runs": [r.tokens_per_s / q.tokens_per_s for r, q in zip(repeats, p["repeats"]["plain"])]
-                    if len(repeats) > 1 else None,
-                })
-            plain_median = median([p["runs"]["plain"].tokens_per_s for p in prompts])
-            tps = median([r["tokens_per_s"] for r in rows])
-            stats = [p["runs"][method.name].stats for p in prompts if p["runs"][method.name].stats is not None]
-            per_method[method.name] = {
-                "median_tokens_per_s": tps,
-                "median_speedup": median([r["speedup"] for r in rows]),  # median of per-prompt ratios
-                "min_speedup": min((r["speedup"] for r in rows), default=None),  # the worst prompt (issue #28)
-                "speedup_of_medians": tps / plain_median if tps and plain_median else None,
-                "tau": pooled_tau(rows),
-                "mismatches": sum(not r["identical"] for r in rows),
-                "token_sources": {k: sum(st.token_sources()[k] for st in stats) for k in ("lookup", "dspark", "target")}
-                if stats else None,
-                "per_prompt": rows,
-            }
-        summary[suite] = per_method
-    return summary, mismatches
-
-
-def pooled_tau(rows: Sequence[dict]) -> float | None:
-    """τ over all rounds of a method's runs, ``Σ τ_i · rounds_i / Σ rounds_i`` (as :func:`tau` pools rounds);
-    runs without rounds (plain, prompt lookup) are left out, ``None`` if none has any."""
-    timed = [(r["tau"], r["rounds"]) for r in rows if r["tau"] is not None and r["rounds"]]
-    return sum(t * n for t, n in timed) / sum(n for _, n in timed) if timed else None
 
 
 def tau_mean(values):
