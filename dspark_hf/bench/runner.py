@@ -21,7 +21,8 @@ What is measured (paper §4; symbols as in :mod:`dspark_hf.decoding.calibration`
    target's prefill.
 
 Layout: suites (prompt sources) -> pure metrics -> runner -> report (JSON, Markdown, PNG). The runner
-works on token ids only, so tests drive it with a tiny random model. It makes four passes over the prompts:
+works on token ids only, so tests drive it with a tiny random model. It makes four passes over the prompts (the
+wall-clock ones, 2 and 3, in :mod:`~dspark_hf.bench.wall_clock`; the floor, 4, in :mod:`~dspark_hf.bench.floor`):
 
 1. one fixed-length generation at T = 1 per drafter and prompt (τ and acceptance at T = 1);
 2. every timed greedy method but the threshold mode, interleaved prompt by prompt; the ``<drafter>:fixed``
