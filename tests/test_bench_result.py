@@ -92,3 +92,15 @@ def test_run_settings_mirror_bench_settings():
     """Every ``BenchSettings`` field is recorded, in its order (the runner builds ``RunSettings`` from them)."""
     names = [f.name for f in dataclasses.fields(RunSettings)]
     assert names == [f.name for f in dataclasses.fields(BenchSettings)] + ["math_filter"]
+
+
+def test_report_says_how_many_runs_a_prompt_had_and_that_the_floor_was_skipped():
+    result = BenchResult.load(COMMITTED[0])  # an older file: no repeats, no floor pass recorded
+    report = markdown_report(result)
+    assert "runs of each per prompt" not in report and "was skipped" not in report
+    settings = dataclasses.replace(result.settings, repeats=3, floor_repeats=0, limit=1)
+    report = markdown_report(dataclasses.replace(result, settings=settings))
+    assert ("## Wall clock (greedy; methods interleaved per prompt; 3 runs of each per prompt, a prompt's figures are "
+            "those of each method's median run by wall time)") in report
+    assert "**The floor** (pass 4) was skipped (`--floor-repeats 0`)." in report
+    assert "up to 1 prompt per suite" in report
