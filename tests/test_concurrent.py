@@ -181,9 +181,25 @@ def test_generate_concurrent_closed_loop_streams_and_frees_finished_requests(tar
     steady = [b for a, b in zip(stats.steps, stats.steps[1:])
               if not a.prefill and a.drafted == a.requests and not b.prefill and b.drafted == b.requests]
     assert steady and all(step.extend_ms == 0 for step in steady)
-    # a newcomer's prompt rides in the running request's round; the scheduled modes verify anchors only there
-    fused = [step for step in stats.steps if step.prefilled and not step.prefill]
-    assert fused and all(step.requests == 2 and step.prefilled == 1 and not step.drafted for step in fused)
+
+
+def test_scheduled_modes_verify_anchors_only_in_a_step_that_prefills_a_newcomer(target, drafter):
+    """A newcomer's prompt rides in the running request's round, and a scheduled mode drafts nothing there (its time
+    is the prompt's); whether requests finish at the same step depends on timed decisions, so the newcomer is added
+    by hand once the first request is done, while the second (budget 30, at most 1 + 2·(γ + 1) tokens by then) runs."""
+    decoder = ConcurrentDecoder(target, drafter, verification="scheduler")
+    first, second = decoder.add(PROMPTS[0], 2), decoder.add(PROMPTS[1], 30)
+    with decoder.running():
+        while not first.done:
+            decoder.step()
+        third, before = decoder.add(PROMPTS[3], 4), len(decoder.stats.steps)
+        while decoder.active:
+            decoder.step()
+    fused = decoder.stats.steps[before]
+    assert (fused.requests, fused.prefilled, fused.prefill, fused.drafted, fused.lengths) == (2, 1, False, 0, [0])
+    assert fused.batch_tokens == 1 + len(PROMPTS[3])
+    for request, prompt, budget in ((first, 0, 2), (second, 1, 30), (third, 3, 4)):
+        assert request.generated == plain(target, PROMPTS[prompt], max_new=budget)
 
 
 def test_a_newcomers_prompt_is_prefilled_in_the_running_requests_step(target):
