@@ -278,24 +278,26 @@ def test_median_run_takes_the_middle_run_and_the_faster_of_two():
 class _ScriptedMethod(bench.Method):
     """A method whose n-th run returns its n-th scripted ``(tokens, seconds)``, for the repeated wall-clock pass."""
 
-    def __init__(self, name, script):
+    def __init__(self, name, script, order):
         super().__init__(name)
-        self.script, self.calls = script, 0
+        self.script, self.calls, self.order = script, 0, order
 
     def run(self, target, ids, max_new_tokens, drafters, seed=0):
         tokens, seconds = self.script[self.calls]
         self.calls += 1
+        self.order.append(self.name)
         return Run(tokens=tokens, seconds=seconds)
 
 
 def test_repeated_wall_clock_pass_reports_median_runs_and_checks_every_run():
     # plain: 2, 1, 3 s -> median 2 s; m: 1, 0.5, 2 s -> median 1 s, so the prompt's speedup is 2.0; m's third run
     # differs from plain at new token 2 although its median run does not
-    plain = _ScriptedMethod("plain", [([1, 2, 3], 2.0), ([1, 2, 3], 1.0), ([1, 2, 3], 3.0)])
-    m = _ScriptedMethod("m", [([1, 2, 3], 1.0), ([1, 2, 3], 0.5), ([1, 2, 4], 2.0)])
+    order = []
+    plain = _ScriptedMethod("plain", [([1, 2, 3], 2.0), ([1, 2, 3], 1.0), ([1, 2, 3], 3.0)], order)
+    m = _ScriptedMethod("m", [([1, 2, 3], 1.0), ([1, 2, 3], 0.5), ([1, 2, 4], 2.0)], order)
     settings = bench.BenchSettings(repeats=3, warmup_tokens=0)
     records = wall_clock.wall_clock_pass(None, {}, [plain, m], {"s": [("p0", [7, 8])]}, settings, log=lambda *a: None)
-    assert (plain.calls, m.calls) == (3, 3)
+    assert order == ["plain", "m", "m", "plain", "plain", "m"]  # the order rotated by one each repeat
     assert [r.seconds for r in records["s"][0]["repeats"]["m"]] == [1.0, 0.5, 2.0]
     summary, mismatches = wall_clock.summarize_wall_clock(records, [plain, m], log=lambda *a: None)
     row = summary["s"]["m"]["per_prompt"][0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .analysis import first_divergence, floor_summary, prompt_floor
 from .loading import _log_default
-from .methods import Method, floor_methods
+from .methods import Method, floor_methods, interleaved_runs
 from .settings import BenchSettings
 
 
@@ -46,12 +46,8 @@ def floor_pass(target, drafters, methods: list[Method], suites, settings: BenchS
     for suite, prompts in suites.items():
         per_prompt = {m.name: {} for m in arms}
         for index, (prompt_id, ids) in enumerate(prompts):
-            runs = {m.name: [] for m in [plain, *arms]}
-            for _ in range(settings.floor_repeats):
-                order = [plain, *arms]
-                shift, counter = counter % len(order), counter + 1
-                for method in order[shift:] + order[:shift]:
-                    runs[method.name].append(method.run(target, ids, settings.max_new_tokens, drafters))
+            runs, counter = interleaved_runs(target, ids, [plain, *arms], settings.floor_repeats,
+                                             settings.max_new_tokens, drafters, counter)
             for arm in arms:
                 for run in runs[arm.name]:
                     where = first_divergence(run.tokens, runs["plain"][0].tokens)

@@ -232,3 +232,19 @@ def describe_drafter(drafter, source: DrafterSource) -> dict:
         "calibration": source.calibration,
         "modes": modes_of(drafter),
     }
+
+
+def interleaved_runs(target, ids, methods: list[Method], repeats: int, max_new_tokens: int, drafters,
+                     counter: int) -> tuple[dict[str, list[Run]], int]:
+    """Every method on one prompt ``repeats`` times, interleaved: each repeat runs them all, its order rotated by one
+    more than the last (``counter`` carries the rotation across prompts, so no method always runs first).
+
+    Returns:
+        ``({method name: [Run, ...]}, counter)``: the runs in the order they ran, and the rotation to pass on.
+    """
+    runs = {m.name: [] for m in methods}
+    for _ in range(repeats):
+        shift, counter = counter % len(methods), counter + 1
+        for method in methods[shift:] + methods[:shift]:
+            runs[method.name].append(method.run(target, ids, max_new_tokens, drafters))
+    return runs, counter

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from ..evaluation.runs import Run
 from .analysis import first_divergence, median
 from .loading import _log_default
-from .methods import Method, rounds_of
+from .methods import Method, interleaved_runs, rounds_of
 from .settings import BenchSettings
 
 
@@ -29,11 +29,8 @@ def wall_clock_pass(target, drafters, methods: list[Method], suites, settings: B
     for suite, prompts in suites.items():
         out[suite] = []
         for index, (prompt_id, ids) in enumerate(prompts):
-            repeats = {m.name: [] for m in methods}
-            for _ in range(settings.repeats):
-                shift, counter = counter % len(methods), counter + 1
-                for method in methods[shift:] + methods[:shift]:
-                    repeats[method.name].append(method.run(target, ids, settings.max_new_tokens, drafters))
+            repeats, counter = interleaved_runs(target, ids, methods, settings.repeats, settings.max_new_tokens,
+                                                drafters, counter)
             runs = {name: median_run(r) for name, r in repeats.items()}
             plain = runs["plain"]
             log(f"[wall] {suite} {index + 1}/{len(prompts)}: plain {plain.tokens_per_s:.1f} tok/s; " + ", ".join(
@@ -77,11 +74,11 @@ def summarize_wall_clock(records: dict, methods: list[Method], log=_log_default)
             for p in prompts:
                 run, plain = p["runs"][method.name], p["runs"]["plain"]
                 repeats = p["repeats"][method.name]
-                where = min((w for w in (first_divergence(r.tokens, plain.tokens) for r in repeats) if w is not None),
-                            default=None)
-                if where is not None:
+                diverging = [(w, r) for r in repeats if (w := first_divergence(r.tokens, plain.tokens)) is not None]
+                where = diverging[0][0] if diverging else None
+                if diverging:
                     mismatches.append({"suite": suite, "prompt": p["id"], "method": method.name, "position": where,
-                                       "tokens": len(run.tokens), "plain_tokens": len(plain.tokens)})
+                                       "tokens": len(diverging[0][1].tokens), "plain_tokens": len(plain.tokens)})
                     log(f"MISMATCH {suite}/{p['id']} {method.name}: differs from plain greedy at new token {where}")
                 rows.append({
                     "id": p["id"],
