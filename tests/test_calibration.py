@@ -9,11 +9,13 @@ import torch
 from dspark_hf.decoding import calibration
 from dspark_hf.decoding.calibration import (
     DEFAULT_GRID,
+    CorrectedCalibration,
     OnlineCorrection,
     SequentialTemperatureScaling,
     reliability_diagram,
     scale_temperature,
 )
+from dspark_hf.decoding.verification import Scheduler
 from dspark_hf.metrics import brier_score, expected_calibration_error, roc_auc
 
 PROBS = torch.tensor([0.1, 0.4, 0.35, 0.8])
@@ -241,3 +243,18 @@ def test_failing_drafts_halve_the_estimates_within_a_few_rounds():
     for _ in range(3):
         correction.observe([0.6, 0.6, 0.6], 0)
     assert correction.factor == pytest.approx(2 / 3.8) and correction.factor < 0.55
+
+
+def test_the_scheduler_plans_on_the_corrected_confidences():
+    """Identity STS (T = 1), c = [0.8, 0.8], SPS = 10 / 8 / 7 steps/s for B = 1 / 2 / 3. Uncorrected: Θ = 10, 14.4,
+    17.08, so ℓ = 2. After drafts worth 2 expected acceptances failed (f = 2 / 4): c'' = 0.4, Θ = 10, 11.2, 10.92,
+    so ℓ = 1; after 6 (f = 2 / 8): c'' = 0.2, Θ(1) = 9.6 < 10, so ℓ = 0 (the round verifies the target's token)."""
+    sts, correction, sps = SequentialTemperatureScaling([1.0, 1.0]), OnlineCorrection(), [10.0, 8.0, 7.0]
+    confidences = torch.tensor([0.8, 0.8])
+    lengths = []
+    for failures in (0, 2, 4):
+        for _ in range(failures):
+            correction.observe([1.0], 0)
+        lengths.append(Scheduler().prefix_length(confidences, CorrectedCalibration(sts, correction), sps, 2, 0.0))
+    assert lengths == [2, 1, 0]
+    assert CorrectedCalibration(sts, correction).apply(confidences).tolist() == pytest.approx([0.2, 0.2])

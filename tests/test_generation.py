@@ -621,13 +621,14 @@ def lookup_references(target, lookup_prompts):
     return [target.generate(p, max_new_tokens=LOOKUP_NEW, do_sample=False) for p in lookup_prompts]
 
 
-def mode_length(drafter, confidences, gamma, mode, previous):
-    """ℓ of a DSpark round by the verification mode (as check_stats); returns ``(ℓ, previous for async)``."""
+def mode_length(drafter, confidences, gamma, mode, previous, factor=1.0):
+    """ℓ of a DSpark round by the verification mode (as check_stats), on the calibrated confidences times the
+    online correction's ``factor`` (capped at 1); returns ``(ℓ, previous for async)``."""
     if mode == "fixed":
         return gamma, previous
     if mode == "threshold":
         return threshold_prefix(confidences, THRESHOLD), previous
-    c = drafter.calibration.apply(torch.tensor(confidences))
+    c = (drafter.calibration.apply(torch.tensor(confidences)) * factor).clamp(max=1.0)
     sps = drafter.sps_curve.round_rates(0, drafts=True)[: gamma + 1]  # one context row: any context reads it
     if mode == "scheduler" or previous is None:
         return schedule_prefix(c, sps), c
@@ -666,7 +667,7 @@ def check_lookup_stats(drafter, out, prompt_len, max_new, gamma, mode):
             if plan.source == "hybrid":
                 assert r.scheduled == plan.length > k >= 1
             else:
-                ell, previous = mode_length(drafter, r.confidences, gamma_r, mode, previous)
+                ell, previous = mode_length(drafter, r.confidences, gamma_r, mode, previous, correction.factor)
                 assert r.scheduled == (max(ell, 1) if plan.probe else ell)  # a probe verifies a draft
             state.observe_block(torch.tensor(r.confidences))
             if r.scheduled > k and r.accepted >= k:  # the correction hears from the round after its verification

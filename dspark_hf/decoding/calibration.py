@@ -282,6 +282,27 @@ class OnlineCorrection:
         self.accepted += accepted
 
 
+class CorrectedCalibration:
+    """STS followed by the generation's online correction: what the verification policies see of a block's
+    confidences while a call learns its prompt (``c'' = min(1, f · STS(c))``), so the round's ℓ is planned on the
+    same estimates as the round planner's Θ (:mod:`dspark_hf.decoding.lookup`).
+
+    Lossless as the correction itself: ``f`` is read before the round drafts and changes only after a round is
+    verified (Appendix A).
+
+    Args:
+        calibration: the drafter's :class:`SequentialTemperatureScaling`.
+        correction: the call's :class:`OnlineCorrection`.
+    """
+
+    def __init__(self, calibration: SequentialTemperatureScaling, correction: OnlineCorrection):
+        self.calibration, self.correction = calibration, correction
+
+    def apply(self, confidences: torch.Tensor) -> torch.Tensor:
+        """Corrected calibrated conditionals of raw ``confidences`` ``(..., γ)`` (same shape)."""
+        return self.correction.apply(self.calibration.apply(confidences))
+
+
 def _calibration_file(path: str | os.PathLike, create: bool) -> Path:
     """``path`` itself when it names a ``.json`` file, else ``path / calibration.json``."""
     path = Path(path)

@@ -39,7 +39,7 @@ from ..modeling.limits import MAX_BLOCK_SIZE, VERIFICATION_MODES
 from ..modeling.modeling_dspark import DSparkDrafter
 from ..runtime.kernels import is_prepacked, prepack_linears
 from ..runtime.profiling import ensure_sps_curve
-from .calibration import OnlineCorrection
+from .calibration import CorrectedCalibration, OnlineCorrection
 from .lookup import LookupDrafting, RoundPlan, lookup_enabled, one_hot_logits
 from .settings import call_block_size
 from .stats import GenerationStats, RoundStats, publish_stats
@@ -331,7 +331,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
     def _prefix_length(self, block, gamma: int) -> int:
         """ℓ in 0..γ by the call's verification policy (:mod:`dspark_hf.decoding.verification`)."""
         sps = self.sps.round_rates(self._verify_context, drafts=True)[: gamma + 1] if self.policy.needs_calibration else None
-        return self.policy.prefix_length(block.confidences, self.drafter.calibration, sps, gamma, self.threshold)
+        calibration = self.drafter.calibration
+        if self.correction is not None and self.policy.needs_calibration:  # ℓ on the estimates Θ plans with
+            calibration = CorrectedCalibration(calibration, self.correction)
+        return self.policy.prefix_length(block.confidences, calibration, sps, gamma, self.threshold)
 
     def _observe_verified_drafts(self, last: RoundStats):
         """Fold the verified DSpark drafts of the round just verified into the online correction: block positions
