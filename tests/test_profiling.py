@@ -338,19 +338,18 @@ def test_cli_profile_writes_the_engine_table(tmp_path, monkeypatch):
 
 def test_one_machine_description_for_the_sps_key_the_bench_and_info(capsys):
     """The SPS curve's device name, ``benchmarks.json``'s ``machine`` and ``dspark info`` read one description."""
-    import platform
-
     from dspark_hf.cli import info
     from dspark_hf.evaluation.bench_result import MachineRecord
     from dspark_hf.runtime.machine import describe_machine
 
     m = describe_machine()
-    assert profiling.device_name(torch.device("cpu")) == (  # unchanged format: cached curves keep matching
-        f"{platform.processor() or platform.machine() or 'cpu'} ({m.cores} cores, {torch.get_num_threads()} torch threads)")
+    assert profiling.device_name(torch.device("cpu")) == (  # the CPU model and instruction set are in the key
+        f"{m.cpu} {torch.backends.cpu.get_cpu_capability()} ({m.cores} cores, {torch.get_num_threads()} torch threads)")
     record = MachineRecord.current("dspark bench", "stock").to_json()
     assert list(record) == ["cpu", "cores", "torch_threads", "cuda", "torch", "transformers", "python", "platform",
-                            "date", "command", "linear_kernels"]
+                            "date", "command", "linear_kernels", "isa"]
     assert {k: record[k] for k in list(record)[:8]} == {k: getattr(m, k) for k in list(record)[:8]}
+    assert record["isa"] == torch.backends.cpu.get_cpu_capability() != ""
     info.run(type("Args", (), {"json": True})())
     shown = json.loads(capsys.readouterr().out)
     assert (shown["torch"], shown["transformers"], shown["python"], shown["device"]) == (

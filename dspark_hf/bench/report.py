@@ -52,7 +52,7 @@ def _header_section(result: BenchResult) -> list[str]:
         "# dspark bench",
         "",
         f"`{m.command}`  ",
-        f"{m.date} · {m.cpu} · {m.cores} cores ({m.torch_threads} torch threads) · torch {m.torch} · "
+        f"{m.date} · {m.cpu}{f' ({m.isa})' if m.isa else ''} · {m.cores} cores ({m.torch_threads} torch threads) · torch {m.torch} · "
         f"transformers {m.transformers} · linear kernels: {m.linear_kernels} · "
         f"runtime {result.runtime_s / 60:.1f} min",
         "",

@@ -43,6 +43,8 @@ class MachineRecord(Record):
         torch, transformers, python: versions; platform: ``platform.platform()``.
         date: UTC start of the run, ISO 8601 (seconds). command: the exact command line.
         linear_kernels: the target's linear kernels (``"stock"`` or e.g. ``"onednn-prepacked"``).
+        isa: the CPU's vector instruction set (:attr:`~dspark_hf.runtime.machine.Machine.isa`, e.g. ``"AVX2"``;
+            ``""`` in records written before it was recorded).
     """
 
     cpu: str
@@ -56,6 +58,7 @@ class MachineRecord(Record):
     date: str
     command: str
     linear_kernels: str = "stock"
+    isa: str = ""
 
     @classmethod
     def current(cls, command: str, linear_kernels: str = "stock", date: str | None = None) -> MachineRecord:
@@ -68,7 +71,7 @@ class MachineRecord(Record):
         return cls(cpu=m.cpu, cores=m.cores, torch_threads=m.torch_threads, cuda=m.cuda, torch=m.torch,
                    transformers=m.transformers, python=m.python, platform=m.platform,
                    date=date or datetime.now(timezone.utc).isoformat(timespec="seconds"), command=command,
-                   linear_kernels=linear_kernels)
+                   linear_kernels=linear_kernels, isa=m.isa)
 
 
 @dataclass

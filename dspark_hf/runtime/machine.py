@@ -35,7 +35,10 @@ class Machine:
     Attributes:
         cpu: the CPU model (:func:`cpu_model`).
         arch: the processor or machine type (``platform.processor()`` or ``platform.machine()``, e.g. ``"x86_64"``;
-            ``"cpu"`` when neither is known): the short name in SPS curves' :attr:`cpu_label`.
+            ``"cpu"`` when neither is known).
+        isa: the vector instruction set torch's CPU kernels dispatch to (``torch.backends.cpu.get_cpu_capability()``,
+            e.g. ``"AVX2"`` or ``"AVX512"``): two CPUs of one model name can differ in it, and which kernel is faster
+            (and so the SPS curve) with them.
         cores: logical CPUs (``os.cpu_count()``; ``None`` when unknown).
         torch_threads: torch's intra-op threads (``torch.get_num_threads()``), which change CPU timings as much as
             the chip does.
@@ -48,6 +51,7 @@ class Machine:
 
     cpu: str
     arch: str
+    isa: str
     cores: int | None
     torch_threads: int
     cuda: str | None
@@ -58,8 +62,9 @@ class Machine:
 
     @property
     def cpu_label(self) -> str:
-        """``"x86_64 (2 cores, 1 torch threads)"``: the CPU as SPS curves name their device."""
-        return f"{self.arch} ({self.cores} cores, {self.torch_threads} torch threads)"
+        """``"AMD EPYC AVX2 (2 cores, 1 torch threads)"``: the CPU as SPS curves name their device (part of a cached
+        curve's key, so a curve measured on another CPU model or instruction set is not reused)."""
+        return f"{self.cpu} {self.isa} ({self.cores} cores, {self.torch_threads} torch threads)"
 
     @property
     def device(self) -> str:
@@ -74,6 +79,7 @@ def describe_machine() -> Machine:
     return Machine(
         cpu=cpu_model(),
         arch=platform.processor() or platform.machine() or "cpu",
+        isa=torch.backends.cpu.get_cpu_capability(),
         cores=os.cpu_count(),
         torch_threads=torch.get_num_threads(),
         cuda=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

@@ -77,8 +77,8 @@ def device_name(device: torch.device, machine: Machine | None = None) -> str:
         machine: the :class:`~dspark_hf.runtime.machine.Machine` to describe (default: this one, read now).
 
     Returns:
-        CUDA: ``torch.cuda.get_device_name``; otherwise the machine type, core count and torch's intra-op thread
-        count (which changes CPU timings as much as the chip does): :attr:`Machine.cpu_label`.
+        CUDA: ``torch.cuda.get_device_name``; otherwise the CPU model, its instruction set, core count and torch's
+        intra-op thread count (which changes CPU timings as much as the chip does): :attr:`Machine.cpu_label`.
     """
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)

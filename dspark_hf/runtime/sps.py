@@ -38,7 +38,7 @@ class SPSCurve:
         steps_per_s: ``steps_per_s[B - 1]`` = target forward passes per second when verifying ``B``
             tokens with ``context_len`` tokens cached, for ``B = 1..max_tokens``; all ``> 0``.
         target_name: ``target.config._name_or_path`` (``""`` for a model built in memory).
-        device_name: e.g. ``"NVIDIA H200"`` or ``"x86_64 (2 cores, 1 torch threads)"``.
+        device_name: e.g. ``"NVIDIA H200"`` or ``"AMD EPYC AVX2 (2 cores, 1 torch threads)"``.
         dtype: parameter dtype without the ``torch.`` prefix, e.g. ``"float32"``.
         torch_version: ``torch.__version__`` at measurement time.
         context_len: tokens in the KV cache while timing ``steps_per_s`` (the primary row).
