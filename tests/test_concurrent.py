@@ -508,8 +508,9 @@ def test_a_request_alone_in_flight_is_planned_as_the_single_request_path_plans(t
     The first step drafts (no estimate yet; Algorithm 1 verifies none of it), then the target verifies alone and a
     probe drafts once the estimate is 5 steps old, then 9 (the interval doubles); a probe verifies one draft, and the
     online correction hears from each. The output is plain `generate`'s."""
-    costs, gate = FrozenCosts(drafter.sps_curve, overhead_ms={1: 5.0}), ScriptedGate()
-    monkeypatch.setattr("dspark_hf.decoding.concurrent.learnt_costs", lambda drafter, curve, settings: (costs, gate))
+    curve = tiny_sps_curve()  # not the drafter's: a test before may have given it a curve profiled here
+    costs, gate = FrozenCosts(curve, overhead_ms={1: 5.0}), ScriptedGate()
+    monkeypatch.setattr("dspark_hf.decoding.concurrent.learnt_costs", lambda *args: (costs, gate))
     draft_many = type(drafter).draft_many
 
     def unconfident(self, *args, **kwargs):
@@ -519,7 +520,7 @@ def test_a_request_alone_in_flight_is_planned_as_the_single_request_path_plans(t
         return blocks
 
     monkeypatch.setattr(type(drafter), "draft_many", unconfident)
-    decoder = ConcurrentDecoder(target, drafter, verification=mode, max_requests=1)  # the tiny curve covers R = 1
+    decoder = ConcurrentDecoder(target, drafter, verification=mode, max_requests=1, sps=curve)
     request = decoder.add(PROMPTS[2], 30)
     with decoder.running():
         while decoder.active:
