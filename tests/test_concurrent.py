@@ -445,6 +445,7 @@ def test_step_costs_predict_by_tokens_and_requests():
     assert costs.predict_ms(6, 4, 0, drafting=1) == pytest.approx(126 + 6 + 20 / 4)  # one drafting: 1/R of a pass
     assert costs.predict_ms(1, 2, 0, drafting=2) == pytest.approx(65 + 6 + 20 / 2)  # drafter pass ∝ R below R = 4
     assert costs.rates(4, 0)[0] == pytest.approx(1000 / (65 + 6))
+    assert costs.rates(4, 0, drafting=2)[2] == pytest.approx(1000 / (110 + 6 + 20 / 2))  # half a pass: 2 of R = 4
 
 
 def test_draft_gate_backs_off_so_re_measures_cost_at_most_the_loss_bound():
@@ -490,6 +491,46 @@ def test_draft_gate_needs_a_measured_margin_and_two_winning_steps_to_restart():
     gate.observe_step(4, 4, emitted=26, step_ms=250.0)  # 0.8 · 0.0624 + 0.2 · 0.104 = 0.07072
     assert gate.drafts(costs, 4, 0) and gate.interval == {4: 1}  # two winning steps in a row: back-off restarts
     assert not gate.drafts(costs, 8, 0)  # R = 8: t̄, b̄ from R = 4 (nearest), but no plain rate measured there
+
+
+class FrozenCosts(StepCosts):
+    """Step costs set by hand that learn nothing from the timed steps, so a test can derive every plan."""
+
+    def observe(self, requests, overhead_ms, draft_ms=None):
+        pass
+
+
+@pytest.mark.parametrize("mode", ["scheduler", "async"])
+def test_a_request_alone_in_flight_is_planned_as_the_single_request_path_plans(target, drafter, monkeypatch, mode):
+    """R = 1: the single-request path's round planner decides whether a step drafts; the gate is never asked. Steps
+    cost 5 ms beyond the verification (65 ms at B = 1, 109 at B = 2), the drafter pass nothing, and every draft
+    carries confidence 0.1: DSpark's Θ(ℓ = 1) = 1.1 · 1000 / 114 = 9.6 against the target alone's 1000 / 70 = 14.3.
+    The first step drafts (no estimate yet; Algorithm 1 verifies none of it), then the target verifies alone and a
+    probe drafts once the estimate is 5 steps old, then 9 (the interval doubles); a probe verifies one draft, and the
+    online correction hears from each. The output is plain `generate`'s."""
+    curve = tiny_sps_curve()  # not the drafter's: a test before may have given it a curve profiled here
+    costs, gate = FrozenCosts(curve, overhead_ms={1: 5.0}), ScriptedGate()
+    monkeypatch.setattr("dspark_hf.decoding.concurrent.learnt_costs", lambda *args: (costs, gate))
+    draft_many = type(drafter).draft_many
+
+    def unconfident(self, *args, **kwargs):
+        blocks = draft_many(self, *args, **kwargs)
+        for block in blocks:
+            block.confidences = torch.full_like(block.confidences, 0.1)
+        return blocks
+
+    monkeypatch.setattr(type(drafter), "draft_many", unconfident)
+    decoder = ConcurrentDecoder(target, drafter, verification=mode, max_requests=1, sps=curve)
+    request = decoder.add(PROMPTS[2], 30)
+    with decoder.running():
+        while decoder.active:
+            decoder.step()
+    steps = [s for s in decoder.stats.steps if not s.prefill]
+    assert [s.drafted for s in steps[:15]] == [1, 0, 0, 0, 0, 1] + [0] * 8 + [1]
+    assert [s.lengths for s in steps[:15] if s.drafted] == [[0], [1], [1]]
+    assert gate.calls == 0
+    assert request.planner.correction.expected == pytest.approx(0.2)  # two probes reached their one draft
+    assert request.generated == plain(target, PROMPTS[2], max_new=30)
 
 
 def test_learnt_costs_carry_over_between_calls_with_the_same_settings(drafter):

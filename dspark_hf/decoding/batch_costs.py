@@ -75,22 +75,28 @@ class StepCosts:
         return 1e3 / row[-1] * tokens / len(row)
 
     def predict_ms(self, tokens: int, requests: int, context: int, drafting: int = 0) -> float:
-        """Predicted wall time of a step verifying ``tokens`` for ``requests``, ``drafting`` of which drafted (ms;
-        the drafter's pass counted as its share ``drafting / requests`` of a pass for all)."""
-        draft = _interpolate(self.draft_ms, requests, proportional=True) * drafting / requests
-        return self.verify_ms(tokens, context) + _interpolate(self.overhead_ms, requests) + draft
+        """Predicted wall time of a step verifying ``tokens`` for ``requests``, ``drafting`` of which drafted (ms)."""
+        return self.verify_ms(tokens, context) + self._outside_ms(requests, drafting)
 
-    def rates(self, requests: int, context: int) -> list[float]:
-        """Steps per second of a step verifying ``B = 1..`` tokens, its overhead included (the table Algorithm 1
-        reads once the drafts exist: the drafter's pass is paid by then)."""
-        extra = _interpolate(self.overhead_ms, requests) / 1e3
+    def _outside_ms(self, requests: int, drafting: int) -> float:
+        """A step's time beyond its verification (ms): ``overhead(R)`` and the drafter's pass counted as its share
+        ``drafting / requests`` of a pass for all."""
+        draft = _interpolate(self.draft_ms, requests, proportional=True) * drafting / requests
+        return _interpolate(self.overhead_ms, requests) + draft
+
+    def rates(self, requests: int, context: int, drafting: int = 0) -> list[float]:
+        """Steps per second of a step for ``requests`` verifying ``B = 1..`` tokens (index ``B - 1``), its overhead
+        and the drafter's pass for ``drafting`` of them included (as :meth:`predict_ms`): the table Algorithm 1 reads,
+        a step's tokens over its whole time, as :meth:`~dspark_hf.SPSCurve.round_rates` is for one request."""
+        extra = self._outside_ms(requests, drafting) / 1e3
         return [1.0 / (1.0 / s + extra) for s in self.sps.at(context)]
 
 
 @dataclass
 class DraftGate:
     """Whether the next step at ``R`` requests drafts for all of them or for none (plain batched decoding), from what
-    past steps did: no decision looks at a draft of its own step (lossless).
+    past steps did: no decision looks at a draft of its own step (lossless). Asked for ``R >= 2``: a request alone
+    in flight is planned as the single-request path plans a round (:class:`~dspark_hf.decoding.lookup.RoundPlanner`).
 
     Drafting needs both checks:
 

@@ -4,7 +4,8 @@ Each step (:meth:`ConcurrentDecoder.step`):
 
 1. requests admitted since the last step are prefilled in the same ragged forward as the running requests'
    round (chunked-prefill style; their first token comes from it), so a newcomer never stalls the others;
-2. every running request drafts a block of ``γ_r = min(γ, tokens left − 1)`` from its own context;
+2. every running request drafts a block of ``γ_r = min(γ, tokens left − 1)`` from its own context (the scheduled
+   modes draft where it is expected to beat plain decoding: see :class:`ConcurrentDecoder`);
 3. the verification mode picks ``ℓ_1 .. ℓ_R``: ``scheduler`` / ``async`` run Algorithm 1 across the requests
    (:func:`~dspark_hf.decoding.scheduler.schedule_batch`, the ``async`` mode as the §5.2 global search on
    confidences no draft of its block depends on), ``fixed`` verifies ``γ_r``, ``threshold`` the confident prefix;
@@ -34,6 +35,8 @@ from ..runtime.kernels import is_prepacked, prepack_linears
 from ..runtime.profiling import ensure_sps_curve
 from ..runtime.ragged import RaggedBatch, RequestKV, ragged_attention, ragged_forward
 from .batch_costs import DraftGate, StepCosts, learnt_costs
+from .calibration import OnlineCorrection
+from .lookup import RoundPlanner
 from .scheduler import schedule_batch
 from .stats import BatchStats, GenerationStats, RoundStats, StepStats
 from .verification import POLICIES, accept_drafts, unmet_need
@@ -64,6 +67,8 @@ class Request:
         self.kv: RequestKV | None = RequestKV(num_layers)
         self.context = decoder.drafter.new_context() if decoder.drafter is not None else None
         self.policy = POLICIES[decoder.mode]() if decoder.drafter is not None else None
+        scheduled = decoder.drafter is not None and self.policy.needs_calibration  # alone in flight, it plans rounds
+        self.planner = RoundPlanner(decoder.drafter.calibration, OnlineCorrection()) if scheduled else None
         self.pending: list[torch.Tensor] = []  # target features [1, n, m·d] not yet in the drafter's context
         self.processors = None  # its logits processors (set by ConcurrentDecoder.add)
         self.stats = GenerationStats(verification=decoder.mode if decoder.drafter is not None else "plain")
@@ -112,10 +117,12 @@ class ConcurrentDecoder:
         ValueError: an unknown mode, a mode the drafter cannot run (no confidence head, no calibration covering
             γ), a threshold outside [0, 1], ``max_requests < 1``.
 
-    In the scheduled modes a :class:`~dspark_hf.decoding.batch_costs.DraftGate` decides before each step whether
-    drafting is expected to beat plain batched decoding (:class:`~dspark_hf.decoding.batch_costs.StepCosts`); both
-    start from what earlier decoders with the same drafter, curve and settings learnt
-    (:func:`~dspark_hf.decoding.batch_costs.learnt_costs`).
+    In the scheduled modes a step with one request in flight drafts or not as the single-request path's round
+    planner decides (:class:`~dspark_hf.decoding.lookup.RoundPlanner`: the request's last block, corrected online,
+    against the step rates at R = 1, with probes; no prompt lookup), a step with several as a
+    :class:`~dspark_hf.decoding.batch_costs.DraftGate` expects drafting to beat plain batched decoding
+    (:class:`~dspark_hf.decoding.batch_costs.StepCosts`); both start from what earlier decoders with the same
+    drafter, curve and settings learnt (:func:`~dspark_hf.decoding.batch_costs.learnt_costs`).
     """
 
     def __init__(self, target, drafter: DSparkDrafter | None = None, *, block_size: int | None = None,
@@ -241,19 +248,24 @@ class ConcurrentDecoder:
         first token comes from its prompt's last position (phase 1).
 
         In the scheduled modes a step that prefills verifies the running requests' anchors only, without asking the
-        gate: its time is mostly the prompts', so it measures neither drafting nor plain decoding (decided before
-        any draft: lossless). ``fixed`` and ``threshold`` draft as in any step.
+        gate: its time is mostly the prompts', so it measures neither drafting nor plain decoding. Whether a step
+        drafts is decided before any of its drafts (lossless); ``fixed`` and ``threshold`` draft in any step.
         """
         contexts = [r.kv.length for r in requests]
         context = sum(contexts) // len(contexts) if requests else 0
-        drafts = self.drafter is not None and bool(requests)
+        drafts, plan = self.drafter is not None and bool(requests), None
         if self.costs is not None and drafts:  # decided from past steps only: lossless
-            drafts = not fresh and self.gate.drafts(self.costs, len(requests), context)
+            alone = len(requests) == 1 and not fresh  # planned as the single-request path plans a round
+            plan = requests[0].planner.choose(self.costs.rates(1, context), self.costs.rates(1, context, 1),
+                                              min(self.block_size, requests[0].room - 1)) if alone else None
+            drafts = plan.source == "dspark" if alone else not fresh and self.gate.drafts(self.costs, len(requests), context)
         draft_start, self._extend_ms = time.perf_counter(), 0.0
         blocks = self._draft(requests) if drafts else [None] * len(requests)
         drafting = sum(b is not None for b in blocks)  # all, or fewer where requests have no room for drafts
         draft_ms = 1e3 * (time.perf_counter() - draft_start)
-        lengths = self._schedule(requests, blocks, context) if requests else []
+        lengths = self._schedule(requests, blocks, context, drafting) if requests else []
+        if plan is not None and plan.probe and drafting:  # a probe verifies a draft: the correction hears from it
+            lengths[0] = max(lengths[0], 1)
         segments = [[r.ids[-1]] + (b.tokens[:n].tolist() if b is not None else []) for r, b, n in
                     zip(requests, blocks, lengths)]
         verified = sum(len(s) for s in segments)  # B of the round: all its rows are kept
@@ -278,6 +290,9 @@ class ConcurrentDecoder:
             draft_logits = block.logits[:n] if block is not None and block.logits is not None else None
             tokens = accept_drafts(torch.tensor([request.ids]), drafts, draft_logits, rows, self.do_sample)
             accepted = len(tokens) - 1
+            if request.planner is not None and block is not None:  # what its next plans read (after this round)
+                request.planner.observe_block(block.confidences)
+                request.planner.correction.observe(request.planner.block_estimate[:n], accepted)
             request.kv.truncate(cached + 1 + accepted)  # the anchor and the accepted drafts stay (rollback)
             self._keep_features(request, hidden, offset, 1 + accepted)
             offset += m
@@ -322,9 +337,10 @@ class ConcurrentDecoder:
                                               max(gammas), self.do_sample, processors, ids))
         return [_cut(next(blocks), g) if g > 0 else None for g in gammas]
 
-    def _schedule(self, requests: list[Request], blocks, context: int) -> list[int]:
+    def _schedule(self, requests: list[Request], blocks, context: int, drafting: int) -> list[int]:
         """``ℓ_r`` per request by the verification mode (0 for a request without a block). The scheduled modes run
-        Algorithm 1 across the requests on the step's rates at their mean ``context`` (overhead included)."""
+        Algorithm 1 across the requests on the step's rates at their mean ``context``: its overhead and the drafter
+        pass of the ``drafting`` requests included, as the single-request path weighs a round."""
         if all(b is None for b in blocks):
             return [0] * len(requests)
         policy = POLICIES[self.mode]
@@ -340,7 +356,7 @@ class ConcurrentDecoder:
             confidences, stops = request.policy.scheduled_confidences(block.confidences, self.drafter.calibration)
             scheduled.append(confidences)
             early_stop = early_stop or stops
-        lengths = schedule_batch(scheduled, self.costs.rates(len(requests), context), early_stop=early_stop)
+        lengths = schedule_batch(scheduled, self.costs.rates(len(requests), context, drafting), early_stop=early_stop)
         return [min(n, b.tokens.numel()) if b is not None else 0 for n, b in zip(lengths, blocks)]
 
     def _forward(self, requests: list[Request], segments: list[list[int]], keep: torch.Tensor):

@@ -57,7 +57,7 @@ from .calibration import OnlineCorrection
 from .scheduler import expected_throughputs
 from .verification import POLICIES
 
-__all__ = ["LookupAcceptance", "LookupDrafting", "LookupMatch", "RoundPlan", "find_continuation",
+__all__ = ["LookupAcceptance", "LookupDrafting", "LookupMatch", "RoundPlan", "RoundPlanner", "find_continuation",
            "lookup_enabled", "lookup_missing", "one_hot_logits", "plan_round"]
 
 MAX_NGRAM = 8  # longest suffix compared, and the last match-length bucket of the acceptance estimate
@@ -278,38 +278,34 @@ def lookup_enabled(setting, drafter, block_size: int, mode: str) -> bool:
     return setting
 
 
-class LookupDrafting:
-    """Per-``generate``-call state of the hybrid: the acceptance estimate, the last block's confidences, and the
-    lookup match of the round in flight.
+class RoundPlanner:
+    """Whether one request's next round runs the drafter (``"dspark"``) or verifies the target's token alone
+    (``"target"``), and, given lookup estimates, whether a lookup or hybrid proposal beats both
+    (:func:`plan_round` with :data:`MARGIN`), decided before anything is drafted. DSpark is judged by the last drafted
+    block's calibrated confidences times the online correction; a stale estimate is refreshed by a probe (module
+    docstring). The state :class:`LookupDrafting` plans with for one ``generate`` call, and the concurrent engine for
+    a request alone in flight (:mod:`dspark_hf.decoding.concurrent`, issue #24).
 
     Args:
         calibration: the drafter's :class:`~dspark_hf.SequentialTemperatureScaling`.
-        curve: the target's :class:`~dspark_hf.SPSCurve` (read each round at the round's context, with its learnt
-            round costs: :meth:`~dspark_hf.SPSCurve.round_rates`).
-        max_tokens: most lookup tokens per round (also capped by ``curve.max_tokens - 1`` and the token budget).
-        correction: the call's :class:`~dspark_hf.decoding.calibration.OnlineCorrection` of DSpark's calibrated
+        correction: the :class:`~dspark_hf.decoding.calibration.OnlineCorrection` of DSpark's calibrated
             confidences (``None``: none; the caller folds verified rounds into it).
     """
 
-    def __init__(self, calibration, curve, max_tokens: int, correction: OnlineCorrection | None = None):
+    def __init__(self, calibration, correction: OnlineCorrection | None = None):
         self.calibration = calibration
-        self.curve = curve
-        self.max_tokens = min(max_tokens, curve.max_tokens - 1)
         self.correction = correction
-        self.acceptance = LookupAcceptance()
         self.block_estimate: list[float] | None = None  # calibrated c' of the last drafted block (uncorrected)
         self.block_age = 0  # rounds planned since that block was drafted
         self.probe_interval = REFRESH_ROUNDS  # rounds without a drafted block before a "target" round probes
-        self._match: LookupMatch | None = None
 
-    def plan(self, input_ids: torch.Tensor, gamma: int, room: int) -> RoundPlan:
-        """Plan the round from the accepted text ``input_ids`` ``(1, L)`` (anchor last), γ and the number of draft
-        tokens the budget leaves (``room``); remembers the lookup match for :meth:`update`."""
-        self._match = find_continuation(input_ids[0], min(self.max_tokens, room))
-        lookup = self.acceptance.conditionals(self._match) if self._match is not None else []
-        context = input_ids.shape[1] - 1  # tokens in the target's cache before this round's verification
-        source, k, length, theta = plan_round(lookup, self.dspark_estimate(), self.curve.round_rates(context, False),
-                                              gamma, self.curve.round_rates(context, True), MARGIN)
+    def choose(self, rates: Sequence[float], draft_rates: Sequence[float], gamma: int, lookup: Sequence[float] = (),
+               continuation: Sequence[int] = ()) -> RoundPlan:
+        """The round's plan by :func:`plan_round` (``rates`` / ``draft_rates``: rounds per second verifying ``B``
+        tokens without / with a drafter pass, index ``B - 1``; ``lookup``: the conditionals of the lookup
+        ``continuation``'s tokens), a ``"target"`` round turned into a probe once the estimate is
+        ``probe_interval`` rounds old."""
+        source, k, length, theta = plan_round(lookup, self.dspark_estimate(), rates, gamma, draft_rates, MARGIN)
         self.block_age += 1
         probe = source == "target" and self.block_age > self.probe_interval
         if probe:  # the estimate is stale: draft to refresh it, and wait twice as long for the next probe
@@ -317,8 +313,7 @@ class LookupDrafting:
             self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
         elif source in ("dspark", "hybrid"):  # the drafter is worth its pass again
             self.probe_interval = REFRESH_ROUNDS
-        tokens = self._match.tokens[:k] if k else ()
-        return RoundPlan(source, tokens, length, theta, probe)
+        return RoundPlan(source, tuple(continuation[:k]), length, theta, probe)
 
     def dspark_estimate(self) -> list[float] | None:
         """The DSpark conditionals the next plan reads: the last block's calibrated ``c'`` with the current online
@@ -331,6 +326,34 @@ class LookupDrafting:
         """Keep the calibrated confidences ``(γ,)`` of the block just drafted as the next rounds' DSpark estimate."""
         self.block_estimate = self.calibration.apply(confidences.float()).tolist()
         self.block_age = 0
+
+
+class LookupDrafting(RoundPlanner):
+    """Per-``generate``-call state of the hybrid: the :class:`RoundPlanner`'s, the lookup acceptance estimate and the
+    lookup match of the round in flight.
+
+    Args:
+        calibration / correction: as :class:`RoundPlanner`.
+        curve: the target's :class:`~dspark_hf.SPSCurve` (read each round at the round's context, with its learnt
+            round costs: :meth:`~dspark_hf.SPSCurve.round_rates`).
+        max_tokens: most lookup tokens per round (also capped by ``curve.max_tokens - 1`` and the token budget).
+    """
+
+    def __init__(self, calibration, curve, max_tokens: int, correction: OnlineCorrection | None = None):
+        super().__init__(calibration, correction)
+        self.curve = curve
+        self.max_tokens = min(max_tokens, curve.max_tokens - 1)
+        self.acceptance = LookupAcceptance()
+        self._match: LookupMatch | None = None
+
+    def plan(self, input_ids: torch.Tensor, gamma: int, room: int) -> RoundPlan:
+        """Plan the round from the accepted text ``input_ids`` ``(1, L)`` (anchor last), γ and the number of draft
+        tokens the budget leaves (``room``); remembers the lookup match for :meth:`update`."""
+        self._match = find_continuation(input_ids[0], min(self.max_tokens, room))
+        lookup = self.acceptance.conditionals(self._match) if self._match is not None else []
+        context = input_ids.shape[1] - 1  # tokens in the target's cache before this round's verification
+        return self.choose(self.curve.round_rates(context, False), self.curve.round_rates(context, True), gamma,
+                           lookup, self._match.tokens if self._match is not None else ())
 
     def update(self, input_ids: torch.Tensor, num_matches: int) -> None:
         """After verification: score the round's lookup continuation against its ``num_matches + 1`` produced
