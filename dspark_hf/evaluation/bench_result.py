@@ -43,7 +43,7 @@ class MachineRecord(Record):
         torch, transformers, python: versions; platform: ``platform.platform()``.
         date: UTC start of the run, ISO 8601 (seconds). command: the exact command line.
         linear_kernels: the target's linear kernels (``"stock"`` or e.g. ``"onednn-prepacked"``).
-        isa: the CPU's vector instruction set (:attr:`~dspark_hf.runtime.machine.Machine.isa`, e.g. ``"AVX2"``;
+        isa: the CPU's vector instruction set (the ``isa`` of :func:`~dspark_hf.runtime.machine.describe_machine`, e.g. ``"AVX2"``;
             ``""`` in records written before it was recorded).
     """
 
