@@ -211,6 +211,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.correction = OnlineCorrection() if settings.lookup else None
         self.lookup = (LookupDrafting(drafter.calibration, self.sps, MAX_BLOCK_SIZE, self.correction)
                        if settings.lookup else None)
+        # ℓ is planned on the estimates Θ plans with: the calibrated confidences, corrected online when they are
+        self.calibration = (CorrectedCalibration(drafter.calibration, self.correction) if self.correction is not None
+                            else drafter.calibration)
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
         self.max_length = generation_config.max_length
@@ -331,10 +334,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
     def _prefix_length(self, block, gamma: int) -> int:
         """ℓ in 0..γ by the call's verification policy (:mod:`dspark_hf.decoding.verification`)."""
         sps = self.sps.round_rates(self._verify_context, drafts=True)[: gamma + 1] if self.policy.needs_calibration else None
-        calibration = self.drafter.calibration
-        if self.correction is not None and self.policy.needs_calibration:  # ℓ on the estimates Θ plans with
-            calibration = CorrectedCalibration(calibration, self.correction)
-        return self.policy.prefix_length(block.confidences, calibration, sps, gamma, self.threshold)
+        return self.policy.prefix_length(block.confidences, self.calibration, sps, gamma, self.threshold)
 
     def _observe_verified_drafts(self, last: RoundStats):
         """Fold the verified DSpark drafts of the round just verified into the online correction: block positions
