@@ -39,6 +39,7 @@ from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling,
 from dspark_hf.decoding.calibration import OnlineCorrection
 from dspark_hf.decoding.candidate_generator import floor_rounds
 from dspark_hf.decoding.lookup import LookupDrafting, RoundPlan, find_continuation
+from dspark_hf.decoding.lookup_acceptance import LookupPrior, reset_lookup_prior
 from dspark_hf.decoding.scheduler import schedule_global, schedule_prefix, threshold_prefix
 from dspark_hf.modeling.limits import MAX_BLOCK_SIZE
 
@@ -635,16 +636,21 @@ def mode_length(drafter, confidences, gamma, mode, previous, factor=1.0):
     return schedule_global(torch.cat([c[:1], previous[1:]]), sps), c
 
 
-def check_lookup_stats(drafter, out, prompt_len, max_new, gamma, mode):
+def check_lookup_stats(drafter, out, prompt_len, max_new, gamma, mode, prior=None):
     """Replay every round's plan from the output tokens and the earlier rounds only, and check the round against it.
 
     Returns the list of planned sources. A plan that looked at the round's own drafts (or its confidences) would
     not be reproduced here: the replay plans each round before reading anything the round drafted, and the online
-    correction of the DSpark estimate hears from a round only after the round is checked.
+    correction of the DSpark estimate hears from a round only after the round is checked. ``prior``: a
+    ``LookupPrior`` the replays of the drafter's earlier calls joined (the call's lookup prior is then replayed
+    too); ``None``: the replay starts from the prior the call reports (``stats.lookup_prior``).
     """
     stats = drafter.last_stats
     correction = OnlineCorrection()
-    state = LookupDrafting(drafter.calibration, drafter.sps_curve, MAX_BLOCK_SIZE, correction)
+    state = LookupDrafting(drafter.calibration, drafter.sps_curve, MAX_BLOCK_SIZE, correction, prior)
+    if prior is None:  # the drafter's earlier calls were not replayed
+        state.acceptance.prior_means = dict(zip((True, False), stats.lookup_prior))
+    assert stats.lookup_prior == pytest.approx((state.acceptance.prior_means[True], state.acceptance.prior_means[False]))
     max_length = prompt_len + max_new
     length, previous, sources = prompt_len + 1, None, []
     for i, r in enumerate(stats.rounds):
@@ -693,10 +699,29 @@ def test_lookup_is_on_by_default_in_the_scheduled_modes(target, drafters, lookup
     drafter, on = drafters["markov"], mode in ("scheduler", "async")
     runs = {}
     for setting in (None, on):
+        reset_lookup_prior(drafter)  # both calls start from the same lookup prior (issue #28: learnt across calls)
         out = generate(target, lookup_prompts[0], drafter, mode, 4, max_new=LOOKUP_NEW, dspark_lookup=setting)
         runs[setting] = out, [(r.lookup, r.drafted, r.scheduled, r.accepted) for r in drafter.last_stats.rounds]
     assert torch.equal(runs[None][0], runs[on][0]) and runs[None][1] == runs[on][1]
     assert any(lookup for lookup, *_ in runs[None][1]) == on  # lookup tokens drafted exactly when it is on
+
+
+def test_lookup_prior_is_learnt_across_calls(target, drafters, lookup_prompts, lookup_references):
+    """Issue #28: each call starts its lookup estimate from the drafter's earlier calls' verified lookups (greedy
+    calls apart from sampled ones): replayed call by call from the outputs alone, and still plain generate's text."""
+    drafter, replayed = drafters["markov"], LookupPrior()
+    reset_lookup_prior(drafter)
+    for i, (prompt, ref) in enumerate(zip(lookup_prompts[:4], lookup_references)):
+        out = generate(target, prompt, drafter, "async", 4, max_new=LOOKUP_NEW, dspark_lookup=True)
+        assert_greedy_identical(target, out, ref, f"lookup prior/prompt {i}")
+        assert (drafter.last_stats.lookup_prior == (0.5, 0.5)) == (i == 0)
+        check_lookup_stats(drafter, out, prompt.shape[1], LOOKUP_NEW, 4, "async", replayed)
+    target.generate(lookup_prompts[0], max_new_tokens=4, do_sample=True, assistant_model=drafter,
+                    dspark_verification="async", dspark_block_size=4)
+    assert drafter.last_stats.lookup_prior == (0.5, 0.5)  # a sampled call does not read greedy calls' lookups
+    reset_lookup_prior(drafter)
+    generate(target, lookup_prompts[0], drafter, "async", 4, max_new=LOOKUP_NEW, dspark_lookup=True)
+    assert drafter.last_stats.lookup_prior == (0.5, 0.5)
 
 
 @pytest.mark.parametrize("gamma", GAMMAS)

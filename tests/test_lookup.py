@@ -11,7 +11,6 @@ from dspark_hf.decoding.calibration import OnlineCorrection
 from dspark_hf.decoding.lookup import (
     MAX_PROBE_INTERVAL,
     REFRESH_ROUNDS,
-    LookupAcceptance,
     LookupDrafting,
     LookupMatch,
     find_continuation,
@@ -19,6 +18,7 @@ from dspark_hf.decoding.lookup import (
     one_hot_logits,
     plan_round,
 )
+from dspark_hf.decoding.lookup_acceptance import LookupAcceptance, LookupPrior, lookup_prior, reset_lookup_prior
 from dspark_hf.decoding.scheduler import expected_throughputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -77,6 +77,60 @@ def test_a_prompt_whose_lookups_fail_stops_trusting_new_lengths():
         est.update(LookupMatch((1, 2), n), [9])
     fresh = est.conditionals(LookupMatch((1, 2), 7))[0]
     assert fresh == pytest.approx(2 * (0 + 1) / (6 + 2) / 2)  # (0 + s·p) / (0 + s), p = 1/8
+
+
+def first_call_counts(prior):
+    """A call's verified lookups: first tokens 2 accepted and 3 rejected, later tokens 0 accepted and 2 rejected."""
+    est = LookupAcceptance(prior=prior)
+    for _ in range(2):
+        est.update(LookupMatch((5, 6), 1), [5, 9])  # first accepted, second rejected
+    for _ in range(3):
+        est.update(LookupMatch((5,), 2), [8])  # first rejected
+    assert est.pooled == {True: [2, 3], False: [0, 2]}
+    return est
+
+
+def test_a_second_call_starts_from_the_first_calls_pooled_acceptance():
+    """Issue #28: the prior is learnt across calls: p₀ = (A + α) / (A + R + α + β) per kind, Beta(1, 1)."""
+    prior = LookupPrior()
+    first = first_call_counts(prior)
+    assert first.prior_means == {True: 0.5, False: 0.5}  # nothing learnt before it
+    second = LookupAcceptance(prior=prior)
+    assert second.prior_means == pytest.approx({True: (2 + 1) / (5 + 2), False: (0 + 1) / (2 + 2)})
+    # the second call's first conditionals: unseen buckets 4, 5 read p₀ of their kind
+    assert second.conditionals(LookupMatch((1, 2), 4)) == pytest.approx([3 / 7, 1 / 4])
+    second.update(LookupMatch((1,), 3), [2])  # its own first token rejected: p = (0 + s·p₀) / (1 + s)
+    assert second.conditionals(LookupMatch((1,), 5)) == pytest.approx([(0 + 2 * 3 / 7) / 3])
+    # the first call's counts are live: what it verified after the second call started does not reach the second
+    first.update(LookupMatch((5,), 2), [5])
+    assert second.prior_means[True] == pytest.approx(3 / 7)
+    assert LookupAcceptance(prior=prior).prior_means[True] == pytest.approx((3 + 0 + 1) / (6 + 1 + 2))
+
+
+def test_one_call_weighs_at_most_the_cap_and_the_window_forgets():
+    prior = LookupPrior(window=2, cap=16)
+    long = LookupAcceptance(prior=prior)
+    for _ in range(40):  # 40 first tokens rejected: weighs 16
+        long.update(LookupMatch((5,), 1), [8])
+    short = LookupAcceptance(prior=prior)
+    for _ in range(2):
+        short.update(LookupMatch((5,), 1), [5])
+    assert prior.means()[True] == pytest.approx((0 + 2 + 1) / (16 + 2 + 2))
+    LookupAcceptance(prior=prior)  # a third call: the window of 2 forgets the long one
+    assert prior.means()[True] == pytest.approx((2 + 1) / (2 + 2))
+    prior.reset()
+    assert LookupAcceptance(prior=prior).prior_means == {True: 0.5, False: 0.5}
+
+
+def test_the_drafters_prior_is_shared_by_its_calls_greedy_and_sampled_apart():
+    drafter = torch.nn.Linear(1, 1)  # any weak-referenceable object stands for a drafter
+    greedy = lookup_prior(drafter, False)
+    assert lookup_prior(drafter, False) is greedy and lookup_prior(drafter, True) is not greedy
+    first_call_counts(greedy)
+    assert LookupAcceptance(prior=lookup_prior(drafter, False)).prior_means[True] == pytest.approx(3 / 7)
+    assert LookupAcceptance(prior=lookup_prior(drafter, True)).prior_means[True] == 0.5
+    reset_lookup_prior(drafter)
+    assert lookup_prior(drafter, False) is not greedy and lookup_prior(drafter, False).means()[True] == 0.5
 
 
 # ---------------------------------------------------------------------------------- the choice

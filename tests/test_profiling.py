@@ -9,6 +9,7 @@ from conftest import CYCLE_VOCAB, LLAMA_DEFAULT_TOKENS, cycle_drafter, cycle_tar
 from transformers import DynamicCache
 
 from dspark_hf import SequentialTemperatureScaling
+from dspark_hf.decoding.lookup import MARGIN, plan_round
 from dspark_hf.runtime import profiling, sps
 from dspark_hf.runtime.profiling import (
     load_or_profile_sps,
@@ -18,7 +19,7 @@ from dspark_hf.runtime.profiling import (
     sps_cache_path,
     time_verify_step,
 )
-from dspark_hf.runtime.sps import NoisySPSWarning, SPSCurve
+from dspark_hf.runtime.sps import NoisySPSWarning, SPSCurve, concave_majorant
 
 KW = dict(max_tokens=4, context_len=8, contexts=(), min_repeats=2, max_repeats=2, progress=False)
 
@@ -42,8 +43,9 @@ def test_profile_curve_shape_and_metadata(target):
     curve = profile_sps(target, cache=False, **KW)
     assert curve.max_tokens == 4
     assert all(s > 0 for s in curve.steps_per_s)
-    assert (curve.dtype, curve.context_len, curve.smoothed) == ("float32", 8, False)
+    assert (curve.dtype, curve.context_len, curve.smoothed, curve.device_type) == ("float32", 8, False, "cpu")
     assert curve.n_params == sum(p.numel() for p in target.parameters())
+    assert SPSCurve.from_json(curve.to_json()).device_type == "cpu"
 
 
 def test_smooth_is_non_increasing(target):
@@ -52,6 +54,34 @@ def test_smooth_is_non_increasing(target):
     assert all(a >= b for a, b in zip(curve.steps_per_s, curve.steps_per_s[1:]))
     raw = SPSCurve([1.0, 2.0, 0.5, 0.7], "t", "cpu", "float32", "x", 8, 1)
     assert raw.smooth().steps_per_s == [1.0, 1.0, 0.5, 0.5]
+
+
+def test_concave_majorant_hand_values():
+    """Issue #28: the least non-decreasing concave majorant of a cost in ms over B = 1..n."""
+    assert concave_majorant([88, 88, 100, 106]) == pytest.approx([88, 94, 100, 106])  # B = 2 under the chord: raised
+    assert concave_majorant([90, 100, 80, 105]) == pytest.approx([90, 100, 102.5, 105])  # a dip below its neighbours
+    assert concave_majorant([90, 100, 104, 103]) == pytest.approx([90, 100, 104, 104])  # never below a smaller B
+    assert concave_majorant([83, 88.5, 94, 99.5, 105]) == pytest.approx([83, 88.5, 94, 99.5, 105])  # affine: kept
+    # flat then rising (convex, as on a GPU) becomes the chord: why only CPU curves are read through it
+    assert concave_majorant([60, 60, 60, 61]) == pytest.approx([60, 60 + 1 / 3, 60 + 2 / 3, 61])
+    assert concave_majorant([5]) == [5.0]
+
+
+def test_a_cpu_curve_plans_rounds_on_the_majorant_and_keeps_its_measurements():
+    """A profile that put B = 2 at the cost of B = 1 (88 / 88 ms, then 100, 106): a CPU curve's rounds read 94 ms, so
+    a one-token lookup with c = 0.1 no longer beats the target alone by the margin (1.1 / 94 < 1.05 / 88)."""
+    ms = [88.0, 88.0, 100.0, 106.0]
+    cpu = SPSCurve([1e3 / m for m in ms], "t", "AMD EPYC AVX2", "float32", "x", 256, 1, device_type="cpu")
+    assert [1e3 / r for r in cpu.round_rates(256, drafts=False)] == pytest.approx([88, 94, 100, 106])
+    cpu.draft_ms = 10.0
+    assert [1e3 / r for r in cpu.round_rates(256, drafts=True)] == pytest.approx([98, 104, 110, 116])
+    assert [1e3 / s for s in cpu.at(256)] == pytest.approx(ms)  # the rows keep what was measured
+    cpu.draft_ms = 0.0
+    other = SPSCurve([1e3 / m for m in ms], "t", "NVIDIA H200", "float32", "x", 256, 1, device_type="cuda")
+    assert [1e3 / r for r in other.round_rates(256, drafts=False)] == pytest.approx(ms)  # not a CPU: as measured
+    rates = cpu.round_rates(256, drafts=False)
+    assert plan_round([0.1], [0.0] * 3, rates, 3, rates, MARGIN)[0] == "target"
+    assert plan_round([0.1], [0.0] * 3, other.round_rates(256, False), 3, margin=MARGIN)[0] == "lookup"
 
 
 def test_cache_round_trip(target, hf_home, monkeypatch):

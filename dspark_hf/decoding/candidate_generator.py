@@ -41,6 +41,7 @@ from ..runtime.kernels import is_prepacked, prepack_linears
 from ..runtime.profiling import ensure_sps_curve
 from .calibration import CorrectedCalibration, OnlineCorrection
 from .lookup import LookupDrafting, RoundPlan, lookup_enabled, one_hot_logits
+from .lookup_acceptance import lookup_prior
 from .settings import call_block_size
 from .stats import GenerationStats, RoundStats, publish_stats
 from .verification import POLICIES, unmet_need
@@ -209,8 +210,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.sps = drafter.sps_curve
         # the round planner learns how far this prompt's drafts beat or miss their calibrated confidences
         self.correction = OnlineCorrection() if settings.lookup else None
-        self.lookup = (LookupDrafting(drafter.calibration, self.sps, MAX_BLOCK_SIZE, self.correction)
-                       if settings.lookup else None)
+        self.lookup = (LookupDrafting(drafter.calibration, self.sps, MAX_BLOCK_SIZE, self.correction,
+                                      lookup_prior(drafter, generation_config.do_sample)) if settings.lookup else None)
         # ℓ is planned on the estimates Θ plans with: the calibrated confidences, corrected online when they are
         self.calibration = (CorrectedCalibration(drafter.calibration, self.correction) if self.correction is not None
                             else drafter.calibration)
@@ -222,7 +223,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._pending: list[torch.Tensor] = []  # target features not yet in the context (added before a draft)
         self._known = 0  # positions in the context or pending
         self.floor = _FLOOR_ROUNDS.get()  # every round verifies the target's token alone (:func:`floor_rounds`)
-        self.stats = GenerationStats(verification=self.mode)
+        self.stats = GenerationStats(verification=self.mode, lookup_prior=(
+            self.lookup.acceptance.prior_means[True], self.lookup.acceptance.prior_means[False]) if self.lookup else None)
         publish_stats(drafter, self.stats)
         self._verify_start = None
         self._verify_context = 0  # tokens in the target's cache before the round's verification

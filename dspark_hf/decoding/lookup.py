@@ -26,8 +26,10 @@ Survival estimates (``a_j = Π_{i<=j} c_i``):
 
 * a lookup draft: ``c_i`` = the posterior mean of an online count of lookup acceptance keyed by the effective
   match length ``n + i - 1`` (after ``i - 1`` accepted continuation tokens the match is that long), whose prior
-  is the acceptance pooled over every length so far in the generation (itself Beta(1, 1); first tokens and later
-  ones pooled apart): a length never seen yet starts from what this prompt's lookups have been worth, not from 1/2. Every round scores the continuation it looked up against the tokens the round produced, whatever
+  is the acceptance pooled over every length so far in the generation (first tokens and later ones pooled apart),
+  itself starting from what the drafter's earlier calls measured (:mod:`dspark_hf.decoding.lookup_acceptance`):
+  a length never seen yet starts from what this prompt's lookups have been worth, a new prompt from what earlier
+  prompts' were, not from 1/2. Every round scores the continuation it looked up against the tokens the round produced, whatever
   was proposed: ``P(t_i = l_i) = p(l_i)`` is exactly the acceptance probability of a one-hot proposal (greedy:
   ``t_i = l_i`` is acceptance), so the estimate is the empirical acceptance frequency, calibrated by
   construction (what STS does for the drafter's c_k, paper §3.2.1), and it keeps learning in rounds that
@@ -54,13 +56,13 @@ import torch
 import torch.nn.functional as F
 
 from .calibration import OnlineCorrection
+from .lookup_acceptance import MAX_NGRAM, LookupAcceptance, LookupPrior
 from .scheduler import expected_throughputs
 from .verification import POLICIES
 
-__all__ = ["LookupAcceptance", "LookupDrafting", "LookupMatch", "RoundPlan", "RoundPlanner", "find_continuation",
+__all__ = ["LookupDrafting", "LookupMatch", "RoundPlan", "RoundPlanner", "find_continuation",
            "lookup_enabled", "lookup_missing", "one_hot_logits", "plan_round"]
 
-MAX_NGRAM = 8  # longest suffix compared, and the last match-length bucket of the acceptance estimate
 REFRESH_ROUNDS = 4  # a "target" round probes (drafts) once the last drafted block is this many rounds old
 MAX_PROBE_INTERVAL = 64  # failed probes double the interval up to this many rounds (a loss of ≲ 1 % on a CPU)
 MARGIN = 0.05  # a proposal must beat the target alone by this share of Θ: the estimates behind Θ are noisy, and a
@@ -115,51 +117,6 @@ def find_continuation(ids: torch.Tensor | Sequence[int], max_tokens: int, max_ng
     full = ends[ends + max_tokens <= n_ids - 1]
     p = int(full[-1]) if full.numel() else int(ends[0])
     return LookupMatch(tuple(seq[p + 1: p + 1 + max_tokens].tolist()), best)
-
-
-class LookupAcceptance:
-    """Online estimate of ``P(lookup draft i accepted | drafts < i accepted)`` per effective match length.
-
-    A posterior mean per bucket ``min(n + i - 1, max_ngram)`` (``n`` = match length, ``i`` = continuation
-    position, 1-based) whose prior is a pooled rate: ``(accepted_b + s·p) / (accepted_b + rejected_b + s)``,
-    ``p = (A + α) / (A + R + α + β)``, ``s = α + β``, with ``A``, ``R`` the accepted / rejected counts over all buckets
-    of the same kind of position (first continuation tokens, ``i = 1``, apart from later ones: one long accepted
-    run must not vouch for the next first token). With no data it is ``α / (α + β)``; a bucket never seen
-    follows what the generation's other lengths were worth.
-    """
-
-    def __init__(self, max_ngram: int = MAX_NGRAM, prior: tuple[float, float] = (1.0, 1.0)):
-        self.max_ngram = max_ngram
-        self.prior = prior
-        self.accepted = [0] * (max_ngram + 1)  # index = bucket (0 unused)
-        self.rejected = [0] * (max_ngram + 1)
-        self.pooled = {True: [0, 0], False: [0, 0]}  # first token or not -> [accepted, rejected]
-
-    def bucket(self, match_length: int, position: int) -> int:
-        return min(match_length + position - 1, self.max_ngram)
-
-    def conditionals(self, match: LookupMatch) -> list[float]:
-        """Estimated conditional acceptance ``c_i`` of each continuation token, ``len(match.tokens)`` values."""
-        alpha, beta = self.prior
-        strength = alpha + beta
-        prior = {first: strength * (a + alpha) / (a + r + strength) for first, (a, r) in self.pooled.items()}  # s · p
-        out = []
-        for i in range(1, len(match.tokens) + 1):
-            b = self.bucket(match.match_length, i)
-            out.append((self.accepted[b] + prior[i == 1]) / (self.accepted[b] + self.rejected[b] + strength))
-        return out
-
-    def update(self, match: LookupMatch, produced: Sequence[int]) -> None:
-        """Score ``match``'s continuation against the tokens a round produced (its accepted drafts + the target's
-        token): token ``i`` counts while the previous ones agreed and ``produced`` reaches position ``i``."""
-        for i, (proposed, actual) in enumerate(zip(match.tokens, produced), start=1):
-            b, pool = self.bucket(match.match_length, i), self.pooled[i == 1]
-            if proposed != actual:
-                self.rejected[b] += 1
-                pool[1] += 1
-                return
-            self.accepted[b] += 1
-            pool[0] += 1
 
 
 @dataclass(frozen=True)
@@ -337,13 +294,16 @@ class LookupDrafting(RoundPlanner):
         curve: the target's :class:`~dspark_hf.SPSCurve` (read each round at the round's context, with its learnt
             round costs: :meth:`~dspark_hf.SPSCurve.round_rates`).
         max_tokens: most lookup tokens per round (also capped by ``curve.max_tokens - 1`` and the token budget).
+        prior: the :class:`~dspark_hf.decoding.lookup_acceptance.LookupPrior` of earlier calls the acceptance
+            estimate starts from and feeds (``None``: Beta(1, 1), nothing shared).
     """
 
-    def __init__(self, calibration, curve, max_tokens: int, correction: OnlineCorrection | None = None):
+    def __init__(self, calibration, curve, max_tokens: int, correction: OnlineCorrection | None = None,
+                 prior: LookupPrior | None = None):
         super().__init__(calibration, correction)
         self.curve = curve
         self.max_tokens = min(max_tokens, curve.max_tokens - 1)
-        self.acceptance = LookupAcceptance()
+        self.acceptance = LookupAcceptance(prior=prior)
         self._match: LookupMatch | None = None
 
     def plan(self, input_ids: torch.Tensor, gamma: int, room: int) -> RoundPlan:

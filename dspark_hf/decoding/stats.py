@@ -65,6 +65,9 @@ class GenerationStats:
 
     rounds: list[RoundStats] = field(default_factory=list)
     verification: str = "scheduler"
+    # prompt lookup's prior acceptance (first continuation token, later ones) the call started from, learnt from the
+    # drafter's earlier calls (dspark_hf.decoding.lookup_acceptance.LookupPrior); None without lookup
+    lookup_prior: tuple[float, float] | None = None
 
     @property
     def new_tokens(self) -> int:

@@ -239,7 +239,8 @@ def profile_sps(
         rows, spread = _measure_rows(target, kv, blocks, order, context_len, start + time_budget_s, bar,
                                      rel_tol=rel_tol, min_repeats=min_repeats, max_repeats=max_repeats)
     curve = SPSCurve(steps_per_s=rows.pop(context_len), context_len=context_len, context_curves=rows,
-                     noisy=spread > NOISY_SPREAD, spread=spread, **_describe(target))
+                     noisy=spread > NOISY_SPREAD, spread=spread, device_type=next(target.parameters()).device.type,
+                     **_describe(target))
     if curve.noisy:
         warnings.warn(_noisy_message(curve), NoisySPSWarning, stacklevel=2)
     if cache:

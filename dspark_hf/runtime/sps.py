@@ -6,8 +6,10 @@ verification (bookkeeping, the drafter's pass), learnt the same way. Measuring t
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 FORMAT_VERSION = 2  # 2 added context_curves, noisy, spread, observations, counts, online; later overhead_ms, draft_ms
@@ -25,6 +27,34 @@ ENGINE_TABLES = ("sglang", "tensorrt-llm")  # SPSCurve.engine_table formats
 
 class NoisySPSWarning(UserWarning):
     """The SPS curve was measured (or cached) with a spread too wide to trust; see :func:`profile_sps`."""
+
+
+def concave_majorant(ms: Sequence[float]) -> list[float]:
+    """The least non-decreasing concave majorant of a verification cost ``ms[B - 1]`` over ``B = 1..n`` (issue #28).
+
+    The upper convex hull of the points ``(B, ms[B - 1])`` (the least concave function above them), then a running
+    maximum (once the hull falls it stays at its peak): every value is at least the measured one, a size measured
+    below the chord of its neighbours is raised to it, and no size costs less than a smaller one.
+
+    Args:
+        ms: milliseconds per verification of ``B`` tokens, index ``B - 1``, ``n >= 1`` values.
+
+    Returns:
+        ``n`` values in ms, ``>= ms`` elementwise, non-decreasing, with non-increasing increments.
+    """
+    hull: list[tuple[int, float]] = []
+    for point in enumerate(ms, start=1):
+        while len(hull) >= 2:  # drop the last hull point while it lies on or below the chord to the new point
+            (b0, m0), (b1, m1) = hull[-2], hull[-1]
+            if (m1 - m0) * (point[0] - b0) > (point[1] - m0) * (b1 - b0):
+                break
+            hull.pop()
+        hull.append(point)
+    out = []
+    for (b0, m0), (b1, m1) in zip(hull, hull[1:]):  # the hull's chords, B = b0 .. b1 - 1
+        out += [m0 + (m1 - m0) * (b - b0) / (b1 - b0) for b in range(b0, b1)]
+    out.append(float(hull[-1][1]))
+    return list(itertools.accumulate(out, max))
 
 
 @dataclass
@@ -59,6 +89,9 @@ class SPSCurve:
             then.
         draft_ms: milliseconds of the drafter's pass in a round that drafts (a prompt-lookup round or a plain
             target step skips it), learnt by :meth:`observe_round`; 0 until then.
+        device_type: ``"cpu"``, ``"cuda"``, ... (``""``: a curve stored before it was recorded; ``dspark profile
+            --refresh`` records it). A ``"cpu"`` curve's rounds are planned on its rows' :func:`concave_majorant`
+            (:meth:`round_rates`).
 
     Raises:
         ValueError: empty curve, a non-positive / non-finite value, or a row of another length.
@@ -81,6 +114,7 @@ class SPSCurve:
     online: bool = True
     overhead_ms: float = 0.0
     draft_ms: float = 0.0
+    device_type: str = ""
 
     def __post_init__(self) -> None:
         self.steps_per_s = [float(s) for s in self.steps_per_s]
@@ -210,7 +244,17 @@ class SPSCurve:
         ``Θ = τ · SPS(B)`` (§3.2.2) counts the verification alone, right where drafting and bookkeeping are
         negligible next to the target's step; on a CPU they are ~10-25 % of a round, and a prompt-lookup round
         (no drafter pass) would otherwise be undervalued. With no costs learnt yet (or ``online=False``) this is
-        :meth:`at`.
+        :meth:`at`, except on a CPU curve (``device_type == "cpu"``), whose verification costs in ms are read as
+        their :func:`concave_majorant` (issue #28): a profile of a few sweeps on a noisy machine leaves each
+        size's median with a ~7-9 % standard deviation against ``B = 1`` (40 sweeps on a 2-core AVX2 EPYC: ``B = 2``
+        costs 1.08× ``B = 1``, while profiles of 3 sweeps ranged 0.96-1.25×), and an online estimate of a size
+        rarely verified keeps similar dips; the measured CPU curve is close to affine in ``B`` (~5.5 ms per token
+        on 83 ms), which is its own majorant, so the majorant lifts only what noise bent below the chord of the
+        neighbours, and a proposal is never planned on a verification cheaper than the shape allows. The rows
+        themselves (the cache, :meth:`observe`, reports) keep the measured values; :meth:`smooth` (running
+        minimum of SPS, monotone only) is the paper's §5.2 reading of jagged curves for the global search, and the
+        batched engine reads :meth:`at` raw (up to 128 tokens the CPU curve bends up where compute binds, which a
+        concave majorant would overstate).
 
         Args:
             context_len: tokens in the target's KV cache before the verification.
@@ -221,7 +265,10 @@ class SPSCurve:
             :mod:`dspark_hf.decoding.scheduler` functions).
         """
         extra = 1e-3 * (self.overhead_ms + (self.draft_ms if drafts else 0.0))
-        return [1.0 / (1.0 / s + extra) for s in self.at(context_len)]
+        ms = [1e3 / s for s in self.at(context_len)]  # per verification of B tokens
+        if self.device_type == "cpu":
+            ms = concave_majorant(ms)
+        return [1.0 / (1e-3 * m + extra) for m in ms]
 
     def smooth(self) -> SPSCurve:
         """Copy with every row made monotone non-increasing in ``B`` by a running minimum (paper §5.2:
