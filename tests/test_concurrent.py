@@ -500,6 +500,19 @@ class FrozenCosts(StepCosts):
         pass
 
 
+def drafted_with_confidence(monkeypatch, drafter, confidence):
+    """Every block the drafter drafts (its tokens unchanged) carries ``confidence`` at every position."""
+    draft_many = type(drafter).draft_many
+
+    def drafted(self, *args, **kwargs):
+        blocks = draft_many(self, *args, **kwargs)
+        for block in blocks:
+            block.confidences = torch.full_like(block.confidences, confidence)
+        return blocks
+
+    monkeypatch.setattr(type(drafter), "draft_many", drafted)
+
+
 @pytest.mark.parametrize("mode", ["scheduler", "async"])
 def test_a_request_alone_in_flight_is_planned_as_the_single_request_path_plans(target, drafter, monkeypatch, mode):
     """R = 1: the single-request path's round planner decides whether a step drafts; the gate is never asked. Steps
@@ -511,15 +524,7 @@ def test_a_request_alone_in_flight_is_planned_as_the_single_request_path_plans(t
     curve = tiny_sps_curve()  # not the drafter's: a test before may have given it a curve profiled here
     costs, gate = FrozenCosts(curve, overhead_ms={1: 5.0}), ScriptedGate()
     monkeypatch.setattr("dspark_hf.decoding.concurrent.learnt_costs", lambda *args: (costs, gate))
-    draft_many = type(drafter).draft_many
-
-    def unconfident(self, *args, **kwargs):
-        blocks = draft_many(self, *args, **kwargs)
-        for block in blocks:
-            block.confidences = torch.full_like(block.confidences, 0.1)
-        return blocks
-
-    monkeypatch.setattr(type(drafter), "draft_many", unconfident)
+    drafted_with_confidence(monkeypatch, drafter, 0.1)
     decoder = ConcurrentDecoder(target, drafter, verification=mode, max_requests=1, sps=curve)
     request = decoder.add(PROMPTS[2], 30)
     with decoder.running():
@@ -547,15 +552,7 @@ def test_a_requests_length_is_planned_on_its_online_corrected_confidences(target
     curve = tiny_sps_curve()
     costs = FrozenCosts(curve, overhead_ms={1: 5.0, 2: 5.0}, draft_ms={1: 0.0, 2: 0.0})
     monkeypatch.setattr("dspark_hf.decoding.concurrent.learnt_costs", lambda *args: (costs, ScriptedGate()))
-    draft_many = type(drafter).draft_many
-
-    def confident(self, *args, **kwargs):
-        blocks = draft_many(self, *args, **kwargs)
-        for block in blocks:
-            block.confidences = torch.full_like(block.confidences, 0.9)
-        return blocks
-
-    monkeypatch.setattr(type(drafter), "draft_many", confident)
+    drafted_with_confidence(monkeypatch, drafter, 0.9)
     first_lengths = []
     for requests in (1, 2):
         decoder = ConcurrentDecoder(target, drafter, verification=mode, max_requests=requests, sps=curve)
