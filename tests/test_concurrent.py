@@ -500,6 +500,19 @@ class FrozenCosts(StepCosts):
         pass
 
 
+def drafted_with_confidence(monkeypatch, drafter, confidence):
+    """Every block the drafter drafts (its tokens unchanged) carries ``confidence`` at every position."""
+    draft_many = type(drafter).draft_many
+
+    def drafted(self, *args, **kwargs):
+        blocks = draft_many(self, *args, **kwargs)
+        for block in blocks:
+            block.confidences = torch.full_like(block.confidences, confidence)
+        return blocks
+
+    monkeypatch.setattr(type(drafter), "draft_many", drafted)
+
+
 @pytest.mark.parametrize("mode", ["scheduler", "async"])
 def test_a_request_alone_in_flight_is_planned_as_the_single_request_path_plans(target, drafter, monkeypatch, mode):
     """R = 1: the single-request path's round planner decides whether a step drafts; the gate is never asked. Steps
@@ -511,15 +524,7 @@ def test_a_request_alone_in_flight_is_planned_as_the_single_request_path_plans(t
     curve = tiny_sps_curve()  # not the drafter's: a test before may have given it a curve profiled here
     costs, gate = FrozenCosts(curve, overhead_ms={1: 5.0}), ScriptedGate()
     monkeypatch.setattr("dspark_hf.decoding.concurrent.learnt_costs", lambda *args: (costs, gate))
-    draft_many = type(drafter).draft_many
-
-    def unconfident(self, *args, **kwargs):
-        blocks = draft_many(self, *args, **kwargs)
-        for block in blocks:
-            block.confidences = torch.full_like(block.confidences, 0.1)
-        return blocks
-
-    monkeypatch.setattr(type(drafter), "draft_many", unconfident)
+    drafted_with_confidence(monkeypatch, drafter, 0.1)
     decoder = ConcurrentDecoder(target, drafter, verification=mode, max_requests=1, sps=curve)
     request = decoder.add(PROMPTS[2], 30)
     with decoder.running():
@@ -531,6 +536,36 @@ def test_a_request_alone_in_flight_is_planned_as_the_single_request_path_plans(t
     assert gate.calls == 0
     assert request.planner.correction.expected == pytest.approx(0.2)  # two probes reached their one draft
     assert request.generated == plain(target, PROMPTS[2], max_new=30)
+
+
+@pytest.mark.parametrize("mode", ["scheduler", "async"])
+def test_a_requests_length_is_planned_on_its_online_corrected_confidences(target, drafter, monkeypatch, mode):
+    """ℓ reads the request's own online-corrected confidences, as the single-request path plans ℓ. Steps cost 5 ms
+    beyond the verification (70, 114, 115, 120, 125 ms at B = 1..5), every draft has confidence 0.9 (STS at T = 1
+    keeps it). Uncorrected, Algorithm 1 admits all four drafts: Θ = 1.9 · 1000 / 114 = 16.7, 2.71 / 0.115 = 23.6,
+    3.44 / 0.120 = 28.7, 4.10 / 0.125 = 32.8 against 1000 / 70 = 14.3 alone. The request's correction set to
+    f = (1 + 2) / (4 + 2) = 0.5 makes them 0.45: Θ(ℓ = 1) = 1.45 · 1000 / 114 = 12.7 < 14.3, so ℓ = 0. With a second
+    request, not corrected, in the step (R = 2, from 2 · 1000 / 114 = 17.5; 131, 135, 140 ms at B = 6..8): its four
+    drafts go first (Θ up to 5.10 / 0.131 = 38.9), then the corrected 0.45 (5.55 / 0.135 = 41.1), then not 0.45² =
+    0.2025 (5.75 / 0.140 = 41.05): ℓ = [1, 4], where uncorrected confidences would give [4, 4] (the correction is
+    per request)."""
+    curve = tiny_sps_curve()
+    costs = FrozenCosts(curve, overhead_ms={1: 5.0, 2: 5.0}, draft_ms={1: 0.0, 2: 0.0})
+    monkeypatch.setattr("dspark_hf.decoding.concurrent.learnt_costs", lambda *args: (costs, ScriptedGate()))
+    drafted_with_confidence(monkeypatch, drafter, 0.9)
+    first_lengths = []
+    for requests in (1, 2):
+        decoder = ConcurrentDecoder(target, drafter, verification=mode, max_requests=requests, sps=curve)
+        corrected = decoder.add(PROMPTS[2], 12)
+        others = [decoder.add(PROMPTS[3], 12) for _ in range(requests - 1)]
+        corrected.planner.correction.accepted, corrected.planner.correction.expected = 1, 4.0  # f = 0.5
+        with decoder.running():
+            while decoder.active:
+                decoder.step()
+        first_lengths.append(next(s.lengths for s in decoder.stats.steps if not s.prefill and s.drafted))
+        for request in [corrected, *others]:
+            assert request.generated == plain(target, request.ids[:request.prompt_length], max_new=12)
+    assert first_lengths == [[0], [1, 4]]
 
 
 def test_learnt_costs_carry_over_between_calls_with_the_same_settings(drafter):

@@ -35,7 +35,7 @@ from ..runtime.kernels import is_prepacked, prepack_linears
 from ..runtime.profiling import ensure_sps_curve
 from ..runtime.ragged import RaggedBatch, RequestKV, ragged_attention, ragged_forward
 from .batch_costs import DraftGate, StepCosts, learnt_costs
-from .calibration import OnlineCorrection
+from .calibration import CorrectedCalibration, OnlineCorrection
 from .lookup import RoundPlanner
 from .scheduler import schedule_batch
 from .stats import BatchStats, GenerationStats, RoundStats, StepStats
@@ -53,6 +53,8 @@ class Request:
         prompt_length: tokens of the prompt.
         max_new_tokens: its token budget.
         stats: per-round statistics (:class:`GenerationStats`; ``new_tokens`` counts its tokens).
+        planner / calibration: in the scheduled modes, its round planner (alone in flight) and the confidences its
+            ℓ is planned on (the drafter's STS, then the planner's online correction); ``None`` otherwise.
         done: finished (EOS, budget or stop); its caches are released.
         added_s / finished_s: ``time.perf_counter()`` when it was added and when it finished (``None`` before).
     """
@@ -68,7 +70,10 @@ class Request:
         self.context = decoder.drafter.new_context() if decoder.drafter is not None else None
         self.policy = POLICIES[decoder.mode]() if decoder.drafter is not None else None
         scheduled = decoder.drafter is not None and self.policy.needs_calibration  # alone in flight, it plans rounds
-        self.planner = RoundPlanner(decoder.drafter.calibration, OnlineCorrection()) if scheduled else None
+        calibration = decoder.drafter.calibration if scheduled else None
+        self.planner = RoundPlanner(calibration, OnlineCorrection()) if scheduled else None
+        # its ℓ is planned on the estimates its planner's Θ reads: calibrated, then corrected online (built once)
+        self.calibration = CorrectedCalibration(calibration, self.planner.correction) if scheduled else None
         self.pending: list[torch.Tensor] = []  # target features [1, n, m·d] not yet in the drafter's context
         self.processors = None  # its logits processors (set by ConcurrentDecoder.add)
         self.stats = GenerationStats(verification=decoder.mode if decoder.drafter is not None else "plain")
@@ -335,12 +340,13 @@ class ConcurrentDecoder:
         processors = [r.processors for r in drafting] if self.processors is not None else None
         blocks = iter(self.drafter.draft_many([r.context for r in drafting], [r.ids[-1] for r in drafting],
                                               max(gammas), self.do_sample, processors, ids))
-        return [_cut(next(blocks), g) if g > 0 else None for g in gammas]
+        return [next(blocks).prefix(g) if g > 0 else None for g in gammas]
 
     def _schedule(self, requests: list[Request], blocks, context: int, drafting: int) -> list[int]:
         """``ℓ_r`` per request by the verification mode (0 for a request without a block). The scheduled modes run
         Algorithm 1 across the requests on the step's rates at their mean ``context``: its overhead and the drafter
-        pass of the ``drafting`` requests included, as the single-request path weighs a round."""
+        pass of the ``drafting`` requests included, as the single-request path weighs a round; each request's
+        confidences calibrated and corrected by its own online correction (``Request.calibration``)."""
         if all(b is None for b in blocks):
             return [0] * len(requests)
         policy = POLICIES[self.mode]
@@ -353,7 +359,7 @@ class ConcurrentDecoder:
             if block is None:  # verifies its anchor only: one token of B that no candidate of its own can join
                 scheduled.append(torch.zeros(1))
                 continue
-            confidences, stops = request.policy.scheduled_confidences(block.confidences, self.drafter.calibration)
+            confidences, stops = request.policy.scheduled_confidences(block.confidences, request.calibration)
             scheduled.append(confidences)
             early_stop = early_stop or stops
         lengths = schedule_batch(scheduled, self.costs.rates(len(requests), context, drafting), early_stop=early_stop)
@@ -419,8 +425,3 @@ class RowOfBatch:
     def __len__(self) -> int:
         return len(self.processors)
 
-
-def _cut(block: DraftBlock, gamma: int) -> DraftBlock:
-    """The first ``gamma`` positions of ``block`` (drafts are left to right: a prefix is a shorter block)."""
-    return DraftBlock(tokens=block.tokens[:gamma], logits=block.logits[:gamma] if block.logits is not None else None,
-                      confidences=block.confidences[:gamma] if block.confidences is not None else None)

@@ -54,7 +54,10 @@ class DraftBlock:
     logits: torch.Tensor
     confidences: torch.Tensor | None
 
-
+    def prefix(self, gamma: int) -> DraftBlock:
+        """The block's first ``gamma`` positions (drafts are left to right: a prefix is a shorter block)."""
+        return DraftBlock(tokens=self.tokens[:gamma], logits=self.logits[:gamma] if self.logits is not None else None,
+                          confidences=self.confidences[:gamma] if self.confidences is not None else None)
 
 
 @dataclass
