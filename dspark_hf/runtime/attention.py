@@ -6,7 +6,8 @@ was 47 % of the target's forward for ``B = 8`` (SmolLM2-135M, 1 thread; issue 23
 2.35× one token instead of ~1.1×. :func:`sdpa_gqa_attention_forward` never copies K/V: for a block of up to
 :data:`FOLD_MAX_QUERIES` queries it folds the ``g`` query heads of each K/V head into the query axis (``[B, H, q,
 D]`` -> ``[B, H_kv, g·q, D]``), so ``torch.nn.functional.scaled_dot_product_attention`` reads each K/V head once
-for one score product of ``g·q`` rows; longer blocks (prefill) use SDPA's ``enable_gqa=True``.
+for one score product of ``g·q`` rows, where that is the faster kernel on this CPU (measured once per shape and
+thread count, :func:`folds`); otherwise, and for longer blocks (prefill), SDPA's ``enable_gqa=True``.
 
 It is registered as :data:`SDPA_GQA` through transformers' public ``AttentionInterface``, with
 ``AttentionMaskInterface`` building the mask as for ``"sdpa"`` and, for a short block, folding it once per forward
@@ -21,6 +22,9 @@ hand-composed ``matmul`` + ``softmax`` + ``matmul`` was not faster at any measur
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
@@ -29,6 +33,10 @@ from transformers.masking_utils import sdpa_mask
 
 SDPA_GQA = "dspark_sdpa_gqa"  # the attn_implementation name registered by register_gqa_attention
 FOLD_MAX_QUERIES = 64  # fold the query heads of a group into rows for at most this many queries (not prefill)
+TUNE_CONTEXT = 2048  # cached positions when timing folded against enable_gqa (folds)
+TUNE_BLOCK = 8  # the block size timed for every block of 2..FOLD_MAX_QUERIES tokens
+TUNE_REPEATS = 7  # interleaved timings of each kernel, median taken
+_FOLD_CHOICES: dict[tuple, bool] = {}  # (threads, batch, H, H_kv, D, dtype, block > 1) -> fold; filled by folds
 
 
 def sdpa_gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -64,7 +72,7 @@ def sdpa_gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
         key, value = key[:, :, :q_length], value[:, :, :q_length]
     batch, heads, _, head_dim = query.shape
     groups = heads // key.shape[1]
-    if (groups > 1 and not causal and q_length <= FOLD_MAX_QUERIES and _folding_pays(batch, heads, heads // groups)
+    if (groups > 1 and not causal and q_length <= FOLD_MAX_QUERIES and folds(query, heads // groups)
             and (attention_mask is None or attention_mask.shape[1] == 1)):
         query = query.reshape(batch, heads // groups, groups * q_length, head_dim)
         if folded is not None and folded.shape[-2] == groups * q_length:
@@ -105,12 +113,53 @@ def gqa_sdpa_mask(*args, config=None, dtype: torch.dtype = torch.float32, **kwar
     return fold_mask(additive, groups)
 
 
-def _folding_pays(batch: int, heads: int, kv_heads: int) -> bool:
-    """Whether folding spreads over torch's threads as evenly as the query heads do: SDPA's CPU kernel splits its
-    work by (sequence, head), ``batch·kv_heads`` pieces folded against ``batch·heads``. Always on one thread (10-20 %
-    faster there); on 2 threads SmolLM2's 3 K/V heads split 2 + 1 and a 1-token step is 9 % slower folded."""
-    threads = torch.get_num_threads()
-    return -(-batch * kv_heads // threads) * heads <= -(-batch * heads // threads) * kv_heads
+def folds(query: torch.Tensor, kv_heads: int) -> bool:
+    """Whether a layer folds the query heads of a group into rows for ``query``: the faster of the two kernels on
+    this CPU at torch's current thread count, measured the first time a shape is met (:func:`_folded_is_faster`,
+    ~10-50 ms) and remembered for the process. Always on other devices (one kernel reading each K/V head once).
+
+    Which is faster depends on the machine, not only on the shapes: folding SmolLM2's 9 query heads into its 3 K/V
+    heads leaves 3 work items for torch's threads, so on 2 threads one EPYC (AVX-512) ran a folded 1-token step
+    9 % slower, while on another (AVX2 only, memory-bound) folding was 2-16 % faster for 1 token and 33 % for 8
+    (``docs/long/verify_cost.md``, issue 23).
+
+    Args:
+        query: ``[B, H, q, D]``, ``q <= FOLD_MAX_QUERIES``.
+        kv_heads: K/V heads ``H_kv`` (``H`` a multiple of it).
+    """
+    if query.device.type != "cpu":
+        return True
+    batch, heads, q_length, head_dim = query.shape
+    shape = (torch.get_num_threads(), batch, heads, kv_heads, head_dim, query.dtype, q_length > 1)
+    if shape not in _FOLD_CHOICES:
+        _FOLD_CHOICES[shape] = _folded_is_faster(batch, heads, kv_heads, head_dim, query.dtype,
+                                                 TUNE_BLOCK if q_length > 1 else 1)
+    return _FOLD_CHOICES[shape]
+
+
+def _folded_is_faster(batch: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, q_length: int,
+                      repeats: int = TUNE_REPEATS) -> bool:
+    """One layer's attention of a ``q_length``-token block over ``TUNE_CONTEXT`` cached positions, folded and with
+    ``enable_gqa``, timed interleaved ``repeats`` times after a warm-up: whether the folded median is not slower.
+    A block has the additive mask :func:`gqa_sdpa_mask` builds; one token none (as in decoding)."""
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(batch, heads, q_length, head_dim, generator=g, dtype=dtype)
+    key, value = (torch.randn(batch, kv_heads, TUNE_CONTEXT, head_dim, generator=g, dtype=dtype) for _ in range(2))
+    mask = None if q_length == 1 else torch.zeros(batch, 1, q_length, TUNE_CONTEXT, dtype=dtype)
+    groups = heads // kv_heads
+    folded_query = query.reshape(batch, kv_heads, groups * q_length, head_dim)
+    folded_mask = None if mask is None else fold_mask(mask, groups)
+    kernels = (lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True),
+               lambda: F.scaled_dot_product_attention(folded_query, key, value, attn_mask=folded_mask))
+    times = ([], [])
+    with torch.inference_mode():
+        for r in range(repeats + 1):
+            for kernel, out in zip(kernels, times):
+                start = time.perf_counter()
+                kernel()
+                if r:  # the first round is the warm-up
+                    out.append(time.perf_counter() - start)
+    return statistics.median(times[1]) <= statistics.median(times[0])
 
 
 def _query_groups(config) -> int:
