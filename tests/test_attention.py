@@ -10,7 +10,7 @@ from conftest import cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
 from transformers import DynamicCache
 
 from dspark_hf import SequentialTemperatureScaling
-from dspark_hf.runtime import attention
+from dspark_hf.runtime import attention, tuning
 from dspark_hf.runtime.attention import (
     FOLD_MAX_QUERIES,
     SDPA_GQA,
@@ -110,8 +110,8 @@ def test_mask_folded_once_per_forward_matches_reference(heads, kv_heads, q_len, 
 
 
 class _FakeKernels:
-    """Stands in for ``torch.nn.functional`` and ``time`` in attention.py: each SDPA call advances a fake clock by
-    ``ms[folded]`` and records the shapes it was given."""
+    """Stands in for ``torch.nn.functional`` in attention.py and ``time`` in tuning.py: each SDPA call advances a
+    fake clock by ``ms[folded]`` and records the shapes it was given."""
 
     def __init__(self, unfolded_ms: float, folded_ms: float):
         self.ms, self.now, self.calls = {False: unfolded_ms, True: folded_ms}, 0.0, []
@@ -133,16 +133,16 @@ def test_folding_is_chosen_by_what_it_costs_on_this_cpu(unfolded_ms, folded_ms, 
     rows and the mask folded with them; a 1-token step is timed without a mask, as decoding runs it."""
     fake = _FakeKernels(unfolded_ms, folded_ms)
     monkeypatch.setattr(attention, "F", fake)
-    monkeypatch.setattr(attention, "time", fake)
-    monkeypatch.setattr(attention, "_FOLD_CHOICES", {})
+    monkeypatch.setattr(tuning, "time", fake)
+    monkeypatch.setattr(tuning, "_CHOICES", {})
     step, block = torch.zeros(1, 9, 1, 64), torch.zeros(1, 9, 5, 64)
     assert attention.folds(step, 3) is expected and attention.folds(block, 3) is expected
-    per_choice = 2 * (attention.TUNE_REPEATS + 1)
+    per_choice = 2 * (tuning.TUNE_REPEATS + 1)
     assert len(fake.calls) == 2 * per_choice
     ctx, b = attention.TUNE_CONTEXT, attention.TUNE_BLOCK
-    assert fake.calls[:2] == [(False, (1, 9, 1, 64), None), (True, (1, 3, 3, 64), None)]
-    assert fake.calls[per_choice:per_choice + 2] == [(False, (1, 9, b, 64), (1, 1, b, ctx)),
-                                                     (True, (1, 3, 3 * b, 64), (1, 1, 3 * b, ctx))]
+    assert fake.calls[:2] == [(True, (1, 3, 3, 64), None), (False, (1, 9, 1, 64), None)]
+    assert fake.calls[per_choice:per_choice + 2] == [(True, (1, 3, 3 * b, 64), (1, 1, 3 * b, ctx)),
+                                                     (False, (1, 9, b, 64), (1, 1, b, ctx))]
     assert attention.folds(torch.zeros(1, 9, 8, 64), 3) is expected and len(fake.calls) == 2 * per_choice  # kept
     torch.set_num_threads(2)  # the module's one_thread fixture restores its own value at the end
     attention.folds(step, 3)
@@ -214,7 +214,7 @@ def test_only_sdpa_models_are_switched():
 
 def test_cpu_kernels_label_and_opt_out():
     model = use_cpu_kernels(tiny_llama(50, 16, 1), prepack=False)
-    assert kernels_label(model) == "stock+sdpa-gqa+growing-cache"
+    assert kernels_label(model) == "stock+sdpa-gqa+growing-cache+tuned"
     assert kernels_label(tiny_llama(50, 16, 1)) == "stock"
     with pytest.raises(ValueError, match="pass one"):
         load_target("unused", prepack=True, stock_kernels=True)  # refused before anything loads

@@ -22,21 +22,18 @@ hand-composed ``matmul`` + ``softmax`` + ``matmul`` was not faster at any measur
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from .tuning import faster
+
 SDPA_GQA = "dspark_sdpa_gqa"  # the attn_implementation name registered by register_gqa_attention
 FOLD_MAX_QUERIES = 64  # fold the query heads of a group into rows for at most this many queries (not prefill)
 TUNE_CONTEXT = 2048  # cached positions when timing folded against enable_gqa (folds)
 TUNE_BLOCK = 8  # the block size timed for every block of 2..FOLD_MAX_QUERIES tokens
-TUNE_REPEATS = 7  # interleaved timings of each kernel, median taken
-_FOLD_CHOICES: dict[tuple, bool] = {}  # (threads, batch, H, H_kv, D, dtype, block > 1) -> fold; filled by folds
 
 
 def sdpa_gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -114,14 +111,15 @@ def gqa_sdpa_mask(*args, config=None, dtype: torch.dtype = torch.float32, **kwar
 
 
 def folds(query: torch.Tensor, kv_heads: int) -> bool:
-    """Whether a layer folds the query heads of a group into rows for ``query``: the faster of the two kernels on
-    this CPU at torch's current thread count, measured the first time a shape is met (:func:`_folded_is_faster`,
-    ~10-50 ms) and remembered for the process. Always on other devices (one kernel reading each K/V head once).
+    """Whether a layer folds the query heads of a group into rows for ``query``: where that is the faster kernel on
+    this CPU at torch's current thread count (:func:`~dspark_hf.runtime.tuning.faster`: one layer's attention of a
+    1-token step, or of a :data:`TUNE_BLOCK`-token block for any block, over :data:`TUNE_CONTEXT` cached positions,
+    folded against ``enable_gqa``, ~10-25 ms once per shape). Always on other devices (one kernel reading each K/V
+    head once).
 
-    Which is faster depends on the machine, not only on the shapes: folding SmolLM2's 9 query heads into its 3 K/V
-    heads leaves 3 work items for torch's threads, so on 2 threads one EPYC (AVX-512) ran a folded 1-token step
-    9 % slower, while on another (AVX2 only, memory-bound) folding was 2-16 % faster for 1 token and 33 % for 8
-    (``docs/long/verify_cost.md``, issue 23).
+    Folding SmolLM2's 9 query heads into its 3 K/V heads leaves 3 work items for torch's threads: on 2 threads one
+    EPYC (AVX-512) ran a folded 1-token step 9 % slower, another (AVX2 only) 2-16 % faster, and 33 % faster for 8
+    tokens (``docs/long/verify_cost.md``, issue 23).
 
     Args:
         query: ``[B, H, q, D]``, ``q <= FOLD_MAX_QUERIES``.
@@ -130,18 +128,15 @@ def folds(query: torch.Tensor, kv_heads: int) -> bool:
     if query.device.type != "cpu":
         return True
     batch, heads, q_length, head_dim = query.shape
-    shape = (torch.get_num_threads(), batch, heads, kv_heads, head_dim, query.dtype, q_length > 1)
-    if shape not in _FOLD_CHOICES:
-        _FOLD_CHOICES[shape] = _folded_is_faster(batch, heads, kv_heads, head_dim, query.dtype,
-                                                 TUNE_BLOCK if q_length > 1 else 1)
-    return _FOLD_CHOICES[shape]
+    q_length = TUNE_BLOCK if q_length > 1 else 1
+    return faster(("attention-fold", batch, heads, kv_heads, head_dim, query.dtype, q_length),
+                  lambda: _attention_kernels(batch, heads, kv_heads, head_dim, query.dtype, q_length)) == 0
 
 
-def _folded_is_faster(batch: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, q_length: int,
-                      repeats: int = TUNE_REPEATS) -> bool:
-    """One layer's attention of a ``q_length``-token block over ``TUNE_CONTEXT`` cached positions, folded and with
-    ``enable_gqa``, timed interleaved ``repeats`` times after a warm-up: whether the folded median is not slower.
-    A block has the additive mask :func:`gqa_sdpa_mask` builds; one token none (as in decoding)."""
+def _attention_kernels(batch: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, q_length: int):
+    """One layer's attention of a ``q_length``-token block over ``TUNE_CONTEXT`` random cached positions: ``(folded,
+    enable_gqa)`` callables. A block has the additive mask :func:`gqa_sdpa_mask` builds; one token none (as in
+    decoding)."""
     g = torch.Generator().manual_seed(0)
     query = torch.randn(batch, heads, q_length, head_dim, generator=g, dtype=dtype)
     key, value = (torch.randn(batch, kv_heads, TUNE_CONTEXT, head_dim, generator=g, dtype=dtype) for _ in range(2))
@@ -149,17 +144,8 @@ def _folded_is_faster(batch: int, heads: int, kv_heads: int, head_dim: int, dtyp
     groups = heads // kv_heads
     folded_query = query.reshape(batch, kv_heads, groups * q_length, head_dim)
     folded_mask = None if mask is None else fold_mask(mask, groups)
-    kernels = (lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True),
-               lambda: F.scaled_dot_product_attention(folded_query, key, value, attn_mask=folded_mask))
-    times = ([], [])
-    with torch.inference_mode():
-        for r in range(repeats + 1):
-            for kernel, out in zip(kernels, times):
-                start = time.perf_counter()
-                kernel()
-                if r:  # the first round is the warm-up
-                    out.append(time.perf_counter() - start)
-    return statistics.median(times[1]) <= statistics.median(times[0])
+    return (lambda: F.scaled_dot_product_attention(folded_query, key, value, attn_mask=folded_mask),
+            lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True))
 
 
 def _query_groups(config) -> int:
