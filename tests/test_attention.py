@@ -10,7 +10,7 @@ from conftest import cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
 from transformers import DynamicCache
 
 from dspark_hf import SequentialTemperatureScaling
-from dspark_hf.runtime import attention
+from dspark_hf.runtime import attention, tuning
 from dspark_hf.runtime.attention import (
     FOLD_MAX_QUERIES,
     SDPA_GQA,
@@ -90,7 +90,7 @@ def test_mask_folded_once_per_forward_matches_reference(heads, kv_heads, q_len, 
     """The mask gqa_sdpa_mask hands every layer (additive, folded for the query heads of a group) gives the same
     attention as the boolean mask it comes from, whether the layer folds its queries or not; a fully masked query
     row stays finite."""
-    monkeypatch.setattr(attention, "_folding_pays", lambda *shape: fold)
+    monkeypatch.setattr(attention, "folds", lambda *args: fold)
     g = torch.Generator().manual_seed(heads + q_len)
     batch, k_len, dim = 2, 13 + q_len, 8
     q = torch.randn(batch, heads, q_len, dim, generator=g)
@@ -109,11 +109,44 @@ def test_mask_folded_once_per_forward_matches_reference(heads, kv_heads, q_len, 
     assert torch.isfinite(out).all()
 
 
-def test_folding_only_where_it_splits_over_the_threads_as_evenly():
-    assert attention._folding_pays(1, 9, 3)  # one thread: always
+class _FakeKernels:
+    """Stands in for ``torch.nn.functional`` in attention.py and ``time`` in tuning.py: each SDPA call advances a
+    fake clock by ``ms[folded]`` and records the shapes it was given."""
+
+    def __init__(self, unfolded_ms: float, folded_ms: float):
+        self.ms, self.now, self.calls = {False: unfolded_ms, True: folded_ms}, 0.0, []
+
+    def perf_counter(self):
+        return self.now
+
+    def scaled_dot_product_attention(self, query, key, value, attn_mask=None, enable_gqa=False):
+        folded = query.shape[1] == key.shape[1]
+        self.calls.append((folded, tuple(query.shape), None if attn_mask is None else tuple(attn_mask.shape)))
+        self.now += 1e-3 * self.ms[folded]
+        return query
+
+
+@pytest.mark.parametrize("unfolded_ms,folded_ms,expected", [(3.0, 2.0, True), (2.0, 3.0, False), (2.0, 2.0, True)])
+def test_folding_is_chosen_by_what_it_costs_on_this_cpu(unfolded_ms, folded_ms, expected, monkeypatch):
+    """folds times both kernels (SmolLM2's shapes: 9 query heads, 3 K/V heads) once per shape, thread count and
+    block kind, interleaved, and keeps the faster; a tie folds. The folded kernel gets the query heads of a group as
+    rows and the mask folded with them; a 1-token step is timed without a mask, as decoding runs it."""
+    fake = _FakeKernels(unfolded_ms, folded_ms)
+    monkeypatch.setattr(attention, "F", fake)
+    monkeypatch.setattr(tuning, "time", fake)
+    monkeypatch.setattr(tuning, "_CHOICES", {})
+    step, block = torch.zeros(1, 9, 1, 64), torch.zeros(1, 9, 5, 64)
+    assert attention.folds(step, 3) is expected and attention.folds(block, 3) is expected
+    per_choice = 2 * (tuning.TUNE_REPEATS + 1)
+    assert len(fake.calls) == 2 * per_choice
+    ctx, b = attention.TUNE_CONTEXT, attention.TUNE_BLOCK
+    assert fake.calls[:2] == [(True, (1, 3, 3, 64), None), (False, (1, 9, 1, 64), None)]
+    assert fake.calls[per_choice:per_choice + 2] == [(True, (1, 3, 3 * b, 64), (1, 1, 3 * b, ctx)),
+                                                     (False, (1, 9, b, 64), (1, 1, b, ctx))]
+    assert attention.folds(torch.zeros(1, 9, 8, 64), 3) is expected and len(fake.calls) == 2 * per_choice  # kept
     torch.set_num_threads(2)  # the module's one_thread fixture restores its own value at the end
-    assert not attention._folding_pays(1, 9, 3)  # 3 K/V heads split 2 + 1, 9 query heads 5 + 4
-    assert attention._folding_pays(1, 16, 4) and attention._folding_pays(2, 9, 3)
+    attention.folds(step, 3)
+    assert len(fake.calls) == 3 * per_choice  # another thread count is measured anew
     torch.set_num_threads(1)
 
 
@@ -181,7 +214,7 @@ def test_only_sdpa_models_are_switched():
 
 def test_cpu_kernels_label_and_opt_out():
     model = use_cpu_kernels(tiny_llama(50, 16, 1), prepack=False)
-    assert kernels_label(model) == "stock+sdpa-gqa+growing-cache"
+    assert kernels_label(model) == "stock+sdpa-gqa+growing-cache+tuned"
     assert kernels_label(tiny_llama(50, 16, 1)) == "stock"
     with pytest.raises(ValueError, match="pass one"):
         load_target("unused", prepack=True, stock_kernels=True)  # refused before anything loads

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from conftest import tiny_llama, tiny_sps_curve
 
 from dspark_hf import DSparkConfig, DSparkDrafter
+from dspark_hf.runtime import kernels
 from dspark_hf.runtime.kernels import (
     PACKED_ATTR,
     PackedWeight,
@@ -28,6 +29,45 @@ def test_packed_linear_matches_f_linear(rows):
     out = PackedWeight(weight).linear(x, weight, bias)
     assert out.shape == (1, rows, 48)
     torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=0, atol=1e-5)
+
+
+class _RecordingF:
+    """``torch.nn.functional`` for kernels.py, counting ``linear`` calls by input rows."""
+
+    def __init__(self):
+        self.rows = []
+
+    def linear(self, x, weight, bias=None):
+        self.rows.append(x.numel() // x.shape[-1])
+        return F.linear(x, weight, bias)
+
+
+@pytest.mark.parametrize("stock_faster", [True, False])
+def test_a_single_row_runs_the_kernel_measured_faster_for_its_shape(stock_faster, monkeypatch):
+    """One row runs ``F.linear`` where tuning.faster found it the faster of the two kernels for the weight's shape,
+    the prepacked kernel otherwise; more rows always run prepacked. Both kernels timed compute F.linear's values,
+    and the choice is asked by shape, dtype and bias."""
+    asked = []
+
+    def choose(key, make_kernels):
+        asked.append(key)
+        for kernel in make_kernels():
+            torch.testing.assert_close(kernel(), F.linear(row, weight, bias), rtol=0, atol=1e-5)
+        recording.rows.clear()  # the timed stock kernel's own call
+        return int(stock_faster)
+
+    recording = _RecordingF()
+    monkeypatch.setattr(kernels, "faster", choose)
+    monkeypatch.setattr(kernels, "F", recording)
+    torch.manual_seed(0)
+    weight, bias = torch.randn(48, 32), torch.randn(48)
+    row = torch.randn(1, 32, generator=torch.Generator().manual_seed(0))  # what the timed kernels are given
+    packed = PackedWeight(weight)
+    for rows in (1, 3):
+        x = torch.randn(1, rows, 32)
+        torch.testing.assert_close(packed.linear(x, weight, bias), F.linear(x, weight, bias), rtol=0, atol=1e-5)
+    assert recording.rows == ([1] if stock_faster else [])
+    assert asked == [("linear-1-row", 48, 32, torch.float32, True)]
 
 
 def test_weight_updated_in_place_is_repacked():

@@ -6,7 +6,8 @@ was 47 % of the target's forward for ``B = 8`` (SmolLM2-135M, 1 thread; issue 23
 2.35× one token instead of ~1.1×. :func:`sdpa_gqa_attention_forward` never copies K/V: for a block of up to
 :data:`FOLD_MAX_QUERIES` queries it folds the ``g`` query heads of each K/V head into the query axis (``[B, H, q,
 D]`` -> ``[B, H_kv, g·q, D]``), so ``torch.nn.functional.scaled_dot_product_attention`` reads each K/V head once
-for one score product of ``g·q`` rows; longer blocks (prefill) use SDPA's ``enable_gqa=True``.
+for one score product of ``g·q`` rows, where that is the faster kernel on this CPU (measured once per shape and
+thread count, :func:`folds`); otherwise, and for longer blocks (prefill), SDPA's ``enable_gqa=True``.
 
 It is registered as :data:`SDPA_GQA` through transformers' public ``AttentionInterface``, with
 ``AttentionMaskInterface`` building the mask as for ``"sdpa"`` and, for a short block, folding it once per forward
@@ -27,8 +28,12 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from .tuning import faster
+
 SDPA_GQA = "dspark_sdpa_gqa"  # the attn_implementation name registered by register_gqa_attention
 FOLD_MAX_QUERIES = 64  # fold the query heads of a group into rows for at most this many queries (not prefill)
+TUNE_CONTEXT = 2048  # cached positions when timing folded against enable_gqa (folds)
+TUNE_BLOCK = 8  # the block size timed for every block of 2..FOLD_MAX_QUERIES tokens
 
 
 def sdpa_gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -64,7 +69,7 @@ def sdpa_gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
         key, value = key[:, :, :q_length], value[:, :, :q_length]
     batch, heads, _, head_dim = query.shape
     groups = heads // key.shape[1]
-    if (groups > 1 and not causal and q_length <= FOLD_MAX_QUERIES and _folding_pays(batch, heads, heads // groups)
+    if (groups > 1 and not causal and q_length <= FOLD_MAX_QUERIES and folds(query, heads // groups)
             and (attention_mask is None or attention_mask.shape[1] == 1)):
         query = query.reshape(batch, heads // groups, groups * q_length, head_dim)
         if folded is not None and folded.shape[-2] == groups * q_length:
@@ -105,12 +110,42 @@ def gqa_sdpa_mask(*args, config=None, dtype: torch.dtype = torch.float32, **kwar
     return fold_mask(additive, groups)
 
 
-def _folding_pays(batch: int, heads: int, kv_heads: int) -> bool:
-    """Whether folding spreads over torch's threads as evenly as the query heads do: SDPA's CPU kernel splits its
-    work by (sequence, head), ``batch·kv_heads`` pieces folded against ``batch·heads``. Always on one thread (10-20 %
-    faster there); on 2 threads SmolLM2's 3 K/V heads split 2 + 1 and a 1-token step is 9 % slower folded."""
-    threads = torch.get_num_threads()
-    return -(-batch * kv_heads // threads) * heads <= -(-batch * heads // threads) * kv_heads
+def folds(query: torch.Tensor, kv_heads: int) -> bool:
+    """Whether a layer folds the query heads of a group into rows for ``query``: where that is the faster kernel on
+    this CPU at torch's current thread count (:func:`~dspark_hf.runtime.tuning.faster`: one layer's attention of a
+    1-token step, or of a :data:`TUNE_BLOCK`-token block for any block, over :data:`TUNE_CONTEXT` cached positions,
+    folded against ``enable_gqa``, ~10-25 ms once per shape). Always on other devices (one kernel reading each K/V
+    head once).
+
+    Folding SmolLM2's 9 query heads into its 3 K/V heads leaves 3 work items for torch's threads: on 2 threads one
+    EPYC (AVX-512) ran a folded 1-token step 9 % slower, another (AVX2 only) 2-16 % faster, and 33 % faster for 8
+    tokens (``docs/long/verify_cost.md``, issue 23).
+
+    Args:
+        query: ``[B, H, q, D]``, ``q <= FOLD_MAX_QUERIES``.
+        kv_heads: K/V heads ``H_kv`` (``H`` a multiple of it).
+    """
+    if query.device.type != "cpu":
+        return True
+    batch, heads, q_length, head_dim = query.shape
+    q_length = TUNE_BLOCK if q_length > 1 else 1
+    return faster(("attention-fold", batch, heads, kv_heads, head_dim, query.dtype, q_length),
+                  lambda: _attention_kernels(batch, heads, kv_heads, head_dim, query.dtype, q_length)) == 0
+
+
+def _attention_kernels(batch: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, q_length: int):
+    """One layer's attention of a ``q_length``-token block over ``TUNE_CONTEXT`` random cached positions: ``(folded,
+    enable_gqa)`` callables. A block has the additive mask :func:`gqa_sdpa_mask` builds; one token none (as in
+    decoding)."""
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(batch, heads, q_length, head_dim, generator=g, dtype=dtype)
+    key, value = (torch.randn(batch, kv_heads, TUNE_CONTEXT, head_dim, generator=g, dtype=dtype) for _ in range(2))
+    mask = None if q_length == 1 else torch.zeros(batch, 1, q_length, TUNE_CONTEXT, dtype=dtype)
+    groups = heads // kv_heads
+    folded_query = query.reshape(batch, kv_heads, groups * q_length, head_dim)
+    folded_mask = None if mask is None else fold_mask(mask, groups)
+    return (lambda: F.scaled_dot_product_attention(folded_query, key, value, attn_mask=folded_mask),
+            lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True))
 
 
 def _query_groups(config) -> int:

@@ -21,7 +21,7 @@ from ..defaults import (
     default_target_gguf,
 )
 from .attention import use_gqa_attention, uses_gqa_attention
-from .kernels import can_prepack, linear_kernels, prepack_linears
+from .kernels import can_prepack, is_prepacked, linear_kernels, prepack_linears
 from .kv_cache import use_growing_cache, uses_growing_cache
 
 
@@ -133,8 +133,12 @@ def use_cpu_kernels(model: torch.nn.Module, prepack: bool | None = None) -> torc
 def kernels_label(model: torch.nn.Module) -> str:
     """Which kernels ``model`` runs (timings depend on them; part of the SPS curve's cache key): the linear
     kernels (:func:`~dspark_hf.runtime.kernels.linear_kernels`), then ``+sdpa-gqa`` and ``+growing-cache`` where
-    :func:`use_cpu_kernels` switched them on, e.g. ``"onednn-prepacked+sdpa-gqa+growing-cache"``."""
-    return linear_kernels(model) + "+sdpa-gqa" * uses_gqa_attention(model) + "+growing-cache" * uses_growing_cache(model)
+    :func:`use_cpu_kernels` switched them on, and ``+tuned`` where kernels are chosen by timing them on the machine
+    (:mod:`~dspark_hf.runtime.tuning`: a prepacked linear's single row, the attention's folding), e.g.
+    ``"onednn-prepacked+sdpa-gqa+growing-cache+tuned"``."""
+    gqa, prepacked = uses_gqa_attention(model), is_prepacked(model)
+    return (linear_kernels(model) + "+sdpa-gqa" * gqa + "+growing-cache" * uses_growing_cache(model)
+            + "+tuned" * (gqa or prepacked))
 
 
 def load_default_target(dtype: torch.dtype = torch.float32, prepack: bool | None = None, stock_kernels: bool = False,
