@@ -136,6 +136,15 @@ def test_version_1_files_still_load():
     assert curve.rows == {256: [10.0, 5.0]} and curve.online and not curve.noisy
 
 
+
+def test_a_field_from_a_newer_version_is_left_out():
+    """A shared cache written by a newer dspark-hf (a field this version lacks) still loads, with what it knows."""
+    newer = '{"format_version": 2, "steps_per_s": [10.0, 5.0], "target_name": "t", "device_name": "cpu", ' \
+            '"dtype": "float32", "torch_version": "x", "context_len": 256, "n_params": 1, "overhead_ms": 3.0, ' \
+            '"a_later_field": "gpu"}'
+    curve = SPSCurve.from_json(newer)
+    assert curve.rows == {256: [10.0, 5.0]} and curve.overhead_ms == 3.0
+
 # ---------------------------------------------------------------------- measurement with injected timings
 def fake_timer(monkeypatch, ms_of):
     """Replace the real timing by ``ms_of(B, context, call_index)`` milliseconds; returns the call log."""

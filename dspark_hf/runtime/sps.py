@@ -327,7 +327,9 @@ class SPSCurve:
 
     @classmethod
     def from_json(cls, text: str) -> SPSCurve:
-        """Inverse of :meth:`to_json` (also reads format 1, which had one context row).
+        """Inverse of :meth:`to_json` (also reads format 1, which had one context row). Fields this version does
+        not know (written by a newer dspark-hf into a shared cache, all with defaults there) are left out, so an
+        older install still reads the curve instead of failing in the constructor.
 
         Raises:
             ValueError: unknown ``format_version`` or malformed content.
@@ -337,4 +339,5 @@ class SPSCurve:
         if version not in (1, FORMAT_VERSION):
             raise ValueError(f"unsupported SPS curve format_version {version!r} (this dspark-hf reads 1 and "
                              f"{FORMAT_VERSION}); delete the file to re-profile.")
-        return cls(**payload)
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in payload.items() if k in known})
