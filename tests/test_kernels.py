@@ -43,31 +43,36 @@ class _RecordingF:
 
 
 @pytest.mark.parametrize("stock_faster", [True, False])
-def test_a_single_row_runs_the_kernel_measured_faster_for_its_shape(stock_faster, monkeypatch):
-    """One row runs ``F.linear`` where tuning.faster found it the faster of the two kernels for the weight's shape,
-    the prepacked kernel otherwise; more rows always run prepacked. Both kernels timed compute F.linear's values,
-    and the choice is asked by shape, dtype and bias."""
-    asked = []
+def test_a_single_row_runs_the_kernel_the_forward_is_faster_with(stock_faster, monkeypatch):
+    """choose_one_row_kernel times the model's 1-token forward with every single row on the prepacked kernel and on
+    F.linear (asked once, by model size, dtype), keeps the one tuning.faster says is faster; blocks of more rows
+    always run prepacked, and the values are F.linear's either way."""
+    recording, asked = _RecordingF(), []
 
-    def choose(key, make_kernels):
+    def choose(key, make_kernels, repeats):
         asked.append(key)
-        for kernel in make_kernels():
-            torch.testing.assert_close(kernel(), F.linear(row, weight, bias), rtol=0, atol=1e-5)
-        recording.rows.clear()  # the timed stock kernel's own call
+        prepacked, stock = make_kernels()
+        with torch.inference_mode():  # as tuning.faster times them (autograd would take the stock path)
+            prepacked()
+            assert recording.rows == []  # no row went to F.linear
+            stock()
+        assert recording.rows and set(recording.rows) == {1}  # every linear's single row did
+        recording.rows.clear()
         return int(stock_faster)
 
-    recording = _RecordingF()
     monkeypatch.setattr(kernels, "faster", choose)
     monkeypatch.setattr(kernels, "F", recording)
-    torch.manual_seed(0)
-    weight, bias = torch.randn(48, 32), torch.randn(48)
-    row = torch.randn(1, 32, generator=torch.Generator().manual_seed(0))  # what the timed kernels are given
-    packed = PackedWeight(weight)
+    model = prepack_linears(tiny_llama(32, 16, 1))
+    assert kernels.choose_one_row_kernel(model) == ("stock" if stock_faster else "prepacked")
+    assert asked == [("forward-1-row", sum(p.numel() for p in model.parameters()), torch.float32)]
+    layer = model.model.layers[0].mlp.up_proj
     for rows in (1, 3):
-        x = torch.randn(1, rows, 32)
-        torch.testing.assert_close(packed.linear(x, weight, bias), F.linear(x, weight, bias), rtol=0, atol=1e-5)
+        x = torch.randn(1, rows, layer.in_features)
+        with torch.inference_mode():
+            out = layer(x)
+        torch.testing.assert_close(out, F.linear(x, layer.weight), rtol=0, atol=1e-5)
     assert recording.rows == ([1] if stock_faster else [])
-    assert asked == [("linear-1-row", 48, 32, torch.float32, True)]
+    assert kernels.choose_one_row_kernel(tiny_llama(32, 16, 1)) == "none"
 
 
 def test_weight_updated_in_place_is_repacked():

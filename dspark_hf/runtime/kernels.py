@@ -10,9 +10,9 @@ the whole target verifies 8 tokens in ~1.15x the time of one (stock: ~1.55x). Re
 stock kernel to float32 rounding (a different summation order), so greedy decoding is unchanged.
 
 :func:`prepack_linears` patches a model in place; plain ``generate`` and speculative decoding then
-run the same kernels, so a benchmark's baseline gets the same speed-up as the verifier. A single row (a decoding
-step) goes to whichever of the two kernels is faster for the weight's shape on this CPU, measured once
-(:mod:`dspark_hf.runtime.tuning`).
+run the same kernels, so a benchmark's baseline gets the same speed-up as the verifier. Which kernel a single row
+(a decoding step) should take depends on the machine: :func:`choose_one_row_kernel` times the model's 1-token
+forward both ways and keeps the faster.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .tuning import faster
+from .tuning import TUNE_REPEATS, faster
 
 PACKED_ATTR = "_dspark_packed_weight"
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -56,6 +56,7 @@ class PackedWeight:
 
     def __init__(self, weight: torch.Tensor, batch_size_hint: int = 8):
         self.batch_size_hint = batch_size_hint
+        self.one_row_stock = False  # a single row runs F.linear (set by choose_one_row_kernel)
         self._repack(weight)
 
     def _repack(self, weight: torch.Tensor) -> None:
@@ -70,8 +71,8 @@ class PackedWeight:
         longer packable (moved off the CPU, another dtype); repacks a weight changed since packing. Under
         ``torch.compile`` it is ``F.linear`` (inductor cannot lower ``mkldnn._linear_pointwise`` on a packed copy, and
         packs weights itself when freezing), so a compiled target computes what a ``prepack=False`` one does. A
-        single row (``x.numel() == in``) runs ``F.linear`` where that is faster for this shape here
-        (:meth:`_stock_for_one_row`).
+        single row (``x.numel() == in``) runs ``F.linear`` when ``one_row_stock`` is set
+        (:func:`choose_one_row_kernel`).
         """
         if torch.compiler.is_compiling():
             return F.linear(x, weight, bias)
@@ -81,20 +82,9 @@ class PackedWeight:
             if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES or x.dtype != weight.dtype:
                 return F.linear(x, weight, bias)
             self._repack(weight)
-        if x.numel() == x.shape[-1] and self._stock_for_one_row(weight, bias):
+        if self.one_row_stock and x.numel() == x.shape[-1]:
             return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-
-    def _stock_for_one_row(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Whether torch's stock ``F.linear`` is the faster kernel for a single row of this weight's shape on
-        this CPU (:func:`~dspark_hf.runtime.tuning.faster`, once per shape and thread count): oneDNN's fixed cost
-        per call outweighs its gain for a small weight on some machines (2-core AVX2 EPYC, 1 thread: a
-        576 × 576 projection 0.05 ms stock against 0.09 ms prepacked, SmolLM2's 49,152-row lm_head 10.3 against
-        8.6 ms; a 1-token target forward 10-13 % faster with the small layers on the stock kernel, issue 23)."""
-        row = torch.randn(1, weight.shape[1], generator=torch.Generator().manual_seed(0), dtype=weight.dtype)
-        return faster(("linear-1-row", *weight.shape, weight.dtype, bias is not None), lambda: (
-            lambda: torch.ops.mkldnn._linear_pointwise(row, self.packed, bias, "none", [], ""),
-            lambda: F.linear(row, weight, bias))) == 1
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -147,3 +137,42 @@ def pack_rows(head: nn.Module, rows: torch.Tensor, weight: torch.Tensor) -> Pack
     if not is_prepacked(head):
         return None
     return getattr(head, PACKED_ATTR) if rows is weight else PackedWeight(rows)
+
+
+def choose_one_row_kernel(model: nn.Module, repeats: int = TUNE_REPEATS) -> str:
+    """Make a single row (a decoding step) of every prepacked linear of ``model`` run the kernel under which the
+    model's 1-token forward is faster on this CPU: oneDNN's prepacked one or torch's stock ``F.linear``.
+
+    Timed as a whole forward (no cache, one token), interleaved, ``repeats`` times after a warm-up
+    (:func:`~dspark_hf.runtime.tuning.faster`, remembered per model size and thread count; ~1-2 s on a 2-core
+    CPU), because a kernel timed alone misleads: on a 2-core AVX2 EPYC oneDNN ran SmolLM2's lm_head alone 1.2×
+    faster for one row, yet the 1-token forward was 73 ms with every single row on ``F.linear`` against 85 ms
+    prepacked (1 thread, ctx 256, interleaved medians of 15); on an AVX-512 EPYC prepacked was the faster (lm_head
+    7.3 against 10.2 ms), on a Xeon the stock one (a forward 54.9 against 60.8 ms). Both are exact to float32
+    rounding. Blocks of ``B > 1`` tokens always run prepacked (flat in ``B``, module docstring).
+
+    Args:
+        model: a causal LM patched by :func:`prepack_linears` (others are left alone).
+        repeats: timed forwards of each kernel.
+
+    Returns:
+        ``"stock"``, ``"prepacked"``, or ``"none"`` for a model without prepacked linears.
+    """
+    packed = [getattr(m, PACKED_ATTR) for m in model.modules() if hasattr(m, PACKED_ATTR)]
+    if not packed:
+        return "none"
+    token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+
+    def forward_with(stock: bool):
+        def run():
+            for p in packed:
+                p.one_row_stock = stock
+            model(input_ids=token, use_cache=False)
+        return run
+
+    n_params = sum(p.numel() for p in model.parameters())
+    stock = faster(("forward-1-row", n_params, model.dtype), lambda: (forward_with(False), forward_with(True)),
+                   repeats) == 1
+    for p in packed:
+        p.one_row_stock = stock
+    return "stock" if stock else "prepacked"

@@ -21,7 +21,7 @@ from ..defaults import (
     default_target_gguf,
 )
 from .attention import use_gqa_attention, uses_gqa_attention
-from .kernels import can_prepack, is_prepacked, linear_kernels, prepack_linears
+from .kernels import can_prepack, choose_one_row_kernel, is_prepacked, linear_kernels, prepack_linears
 from .kv_cache import use_growing_cache, uses_growing_cache
 
 
@@ -116,7 +116,9 @@ def use_cpu_kernels(model: torch.nn.Module, prepack: bool | None = None) -> torc
     """Verification at the CPU's price (issue 23): what :func:`load_target` applies unless ``stock_kernels``.
 
     * linear layers through oneDNN with prepacked weights (:func:`~dspark_hf.runtime.kernels.prepack_linears`;
-      ``prepack=None``: where :func:`~dspark_hf.runtime.kernels.can_prepack` applies);
+      ``prepack=None``: where :func:`~dspark_hf.runtime.kernels.can_prepack` applies), a single row through the
+      kernel this machine runs a 1-token forward faster with
+      (:func:`~dspark_hf.runtime.kernels.choose_one_row_kernel`);
     * grouped-query attention without K/V copies under a mask
       (:func:`~dspark_hf.runtime.attention.use_gqa_attention`, for models on ``"sdpa"``);
     * ``generate``'s default cache appends in O(new tokens) (:func:`~dspark_hf.runtime.kv_cache.use_growing_cache`).
@@ -125,7 +127,7 @@ def use_cpu_kernels(model: torch.nn.Module, prepack: bool | None = None) -> torc
     the model first); returns ``model``, patched in place.
     """
     if prepack if prepack is not None else can_prepack(model):
-        prepack_linears(model)
+        choose_one_row_kernel(prepack_linears(model))
     use_gqa_attention(model)
     return use_growing_cache(model)
 
