@@ -123,7 +123,8 @@ def prepack_linears(model: nn.Module, batch_size_hint: int = 8) -> nn.Module:
     the model; calls with autograd active on a trainable weight use the stock kernel, and a
     weight updated in place or moved since packing is repacked on its next call (never used stale).
     The packed copies are extra memory: about one more copy of the linear weights (+0.5 GB for
-    SmolLM2-135M in fp32, whose tied lm_head is packed separately from the embedding).
+    SmolLM2-135M in fp32, whose tied lm_head is packed separately from the embedding), and as much again where
+    :func:`choose_one_row_kernel` keeps transposed copies for single rows.
 
     Args:
         model: a module on the CPU in float32 or bfloat16 (patched in place; idempotent).
