@@ -10,6 +10,7 @@ from conftest import tiny_llama, tiny_sps_curve
 from dspark_hf import DSparkConfig, DSparkDrafter
 from dspark_hf.runtime import kernels
 from dspark_hf.runtime.kernels import (
+    ONE_ROW_KERNELS,
     PACKED_ATTR,
     PackedWeight,
     can_prepack,
@@ -42,37 +43,61 @@ class _RecordingF:
         return F.linear(x, weight, bias)
 
 
-@pytest.mark.parametrize("stock_faster", [True, False])
-def test_a_single_row_runs_the_kernel_the_forward_is_faster_with(stock_faster, monkeypatch):
-    """choose_one_row_kernel times the model's 1-token forward with every single row on the prepacked kernel and on
-    F.linear (asked once, by model size, dtype), keeps the one tuning.faster says is faster; blocks of more rows
-    always run prepacked, and the values are F.linear's either way."""
+@pytest.mark.parametrize("chosen", range(len(ONE_ROW_KERNELS)))
+def test_a_single_row_runs_the_kernel_the_forward_is_fastest_with(chosen, monkeypatch):
+    """choose_one_row_kernel times the model's 1-token forward with every single row on each of ONE_ROW_KERNELS
+    (asked once, by model size, dtype), keeps the one tuning.faster says is fastest, and keeps the transposed copies
+    only where that kernel is chosen; blocks of more rows always run prepacked, and the values are F.linear's."""
     recording, asked = _RecordingF(), []
 
     def choose(key, make_kernels, repeats):
         asked.append(key)
-        prepacked, stock = make_kernels()
+        prepacked, stock, transposed = make_kernels()
         with torch.inference_mode():  # as tuning.faster times them (autograd would take the stock path)
             prepacked()
+            transposed()
             assert recording.rows == []  # no row went to F.linear
             stock()
         assert recording.rows and set(recording.rows) == {1}  # every linear's single row did
         recording.rows.clear()
-        return int(stock_faster)
+        return chosen
 
     monkeypatch.setattr(kernels, "faster", choose)
     monkeypatch.setattr(kernels, "F", recording)
     model = prepack_linears(tiny_llama(32, 16, 1))
-    assert kernels.choose_one_row_kernel(model) == ("stock" if stock_faster else "prepacked")
+    assert kernels.choose_one_row_kernel(model) == ONE_ROW_KERNELS[chosen]
     assert asked == [("forward-1-row", sum(p.numel() for p in model.parameters()), torch.float32)]
+    packed = [getattr(m, PACKED_ATTR) for m in model.modules() if hasattr(m, PACKED_ATTR)]
+    assert {p.one_row for p in packed} == {ONE_ROW_KERNELS[chosen]}
+    assert all((p.transposed is not None) == (ONE_ROW_KERNELS[chosen] == "transposed") for p in packed)
     layer = model.model.layers[0].mlp.up_proj
     for rows in (1, 3):
         x = torch.randn(1, rows, layer.in_features)
         with torch.inference_mode():
             out = layer(x)
         torch.testing.assert_close(out, F.linear(x, layer.weight), rtol=0, atol=1e-5)
-    assert recording.rows == ([1] if stock_faster else [])
+    assert recording.rows == ([1] if ONE_ROW_KERNELS[chosen] == "stock" else [])
     assert kernels.choose_one_row_kernel(tiny_llama(32, 16, 1)) == "none"
+
+
+def test_transposed_single_row_reads_its_copy_and_follows_the_weight():
+    """A single row on "transposed" is x @ W^T + b from the kept [in, out] copy (a different copy, a different
+    answer), rebuilt when the weight changes in place; blocks stay on the packed kernel; an unknown kernel is refused."""
+    torch.manual_seed(0)
+    weight, bias, row, block = torch.randn(16, 8), torch.randn(16), torch.randn(1, 1, 8), torch.randn(1, 3, 8)
+    packed = PackedWeight(weight)
+    packed.use_one_row("transposed", weight)
+    assert packed.transposed.shape == (8, 16) and packed.transposed.is_contiguous()
+    torch.testing.assert_close(packed.linear(row, weight, bias), F.linear(row, weight, bias), rtol=0, atol=1e-5)
+    weight.mul_(-2.0)  # stale packed and transposed copies
+    torch.testing.assert_close(packed.linear(row, weight, bias), F.linear(row, weight, bias), rtol=0, atol=1e-5)
+    torch.testing.assert_close(packed.linear(block, weight), F.linear(block, weight), rtol=0, atol=1e-5)
+    packed.transposed = torch.zeros(8, 16)
+    torch.testing.assert_close(packed.linear(row, weight, bias), bias.expand(1, 1, 16))
+    packed.use_one_row("stock", weight)
+    assert packed.transposed is None
+    with pytest.raises(ValueError, match="one-row kernel must be one of"):
+        packed.use_one_row("fast", weight)
 
 
 def test_weight_updated_in_place_is_repacked():

@@ -12,7 +12,7 @@ stock kernel to float32 rounding (a different summation order), so greedy decodi
 :func:`prepack_linears` patches a model in place; plain ``generate`` and speculative decoding then
 run the same kernels, so a benchmark's baseline gets the same speed-up as the verifier. Which kernel a single row
 (a decoding step) should take depends on the machine: :func:`choose_one_row_kernel` times the model's 1-token
-forward both ways and keeps the faster.
+forward with each of :data:`ONE_ROW_KERNELS` and keeps the fastest.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from .tuning import TUNE_REPEATS, faster
 
 PACKED_ATTR = "_dspark_packed_weight"
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+# how a single row (a decoding step) can run: oneDNN's prepacked kernel, stock ``F.linear`` (dot products with the
+# ``[out, in]`` rows), or ``x @ W^T`` on a ``[in, out]`` copy of the weight (rows of ``W^T`` scaled and summed)
+ONE_ROW_KERNELS = ("prepacked", "stock", "transposed")
 
 
 def is_prepacked(model: nn.Module) -> bool:
@@ -56,13 +59,32 @@ class PackedWeight:
 
     def __init__(self, weight: torch.Tensor, batch_size_hint: int = 8):
         self.batch_size_hint = batch_size_hint
-        self.one_row_stock = False  # a single row runs F.linear (set by choose_one_row_kernel)
+        self.one_row = "prepacked"  # the kernel of a single row, one of ONE_ROW_KERNELS (choose_one_row_kernel)
+        self.transposed: torch.Tensor | None = None  # ``[in, out]`` copy of the weight while a single row uses it
         self._repack(weight)
 
     def _repack(self, weight: torch.Tensor) -> None:
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.batch_size_hint)
+            if self.transposed is not None:
+                self.transposed = weight.detach().t().contiguous()
         self.key = _weight_key(weight)
+
+    def use_one_row(self, kernel: str, weight: torch.Tensor) -> None:
+        """Run a single row through ``kernel`` (one of :data:`ONE_ROW_KERNELS`); ``"transposed"`` keeps a ``[in,
+        out]`` copy of ``weight`` (its own memory, as much as the weight's), any other kernel frees it.
+
+        Raises:
+            ValueError: ``kernel`` is not one of :data:`ONE_ROW_KERNELS`.
+        """
+        if kernel not in ONE_ROW_KERNELS:
+            raise ValueError(f"one-row kernel must be one of {ONE_ROW_KERNELS}, got {kernel!r}.")
+        self.one_row = kernel
+        if kernel != "transposed":
+            self.transposed = None
+        elif self.transposed is None:
+            with torch.no_grad():
+                self.transposed = weight.detach().t().contiguous()
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` (``x`` ``[..., in]`` -> ``[..., out]``) through the packed copy.
@@ -71,8 +93,7 @@ class PackedWeight:
         longer packable (moved off the CPU, another dtype); repacks a weight changed since packing. Under
         ``torch.compile`` it is ``F.linear`` (inductor cannot lower ``mkldnn._linear_pointwise`` on a packed copy, and
         packs weights itself when freezing), so a compiled target computes what a ``prepack=False`` one does. A
-        single row (``x.numel() == in``) runs ``F.linear`` when ``one_row_stock`` is set
-        (:func:`choose_one_row_kernel`).
+        single row (``x.numel() == in``) runs the kernel ``one_row`` names (:meth:`use_one_row`).
         """
         if torch.compiler.is_compiling():
             return F.linear(x, weight, bias)
@@ -82,8 +103,11 @@ class PackedWeight:
             if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES or x.dtype != weight.dtype:
                 return F.linear(x, weight, bias)
             self._repack(weight)
-        if self.one_row_stock and x.numel() == x.shape[-1]:
-            return F.linear(x, weight, bias)
+        if self.one_row != "prepacked" and x.numel() == x.shape[-1]:
+            if self.one_row == "stock":
+                return F.linear(x, weight, bias)
+            out = torch.matmul(x, self.transposed)
+            return out if bias is None else out.add_(bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
@@ -99,7 +123,8 @@ def prepack_linears(model: nn.Module, batch_size_hint: int = 8) -> nn.Module:
     the model; calls with autograd active on a trainable weight use the stock kernel, and a
     weight updated in place or moved since packing is repacked on its next call (never used stale).
     The packed copies are extra memory: about one more copy of the linear weights (+0.5 GB for
-    SmolLM2-135M in fp32, whose tied lm_head is packed separately from the embedding).
+    SmolLM2-135M in fp32, whose tied lm_head is packed separately from the embedding), and as much again where
+    :func:`choose_one_row_kernel` keeps transposed copies for single rows.
 
     Args:
         model: a module on the CPU in float32 or bfloat16 (patched in place; idempotent).
@@ -140,39 +165,45 @@ def pack_rows(head: nn.Module, rows: torch.Tensor, weight: torch.Tensor) -> Pack
 
 
 def choose_one_row_kernel(model: nn.Module, repeats: int = TUNE_REPEATS) -> str:
-    """Make a single row (a decoding step) of every prepacked linear of ``model`` run the kernel under which the
-    model's 1-token forward is faster on this CPU: oneDNN's prepacked one or torch's stock ``F.linear``.
+    """Make a single row (a decoding step) of every prepacked linear of ``model`` run the kernel of
+    :data:`ONE_ROW_KERNELS` under which the model's 1-token forward is fastest on this CPU.
 
     Timed as a whole forward (no cache, one token), interleaved, ``repeats`` times after a warm-up
-    (:func:`~dspark_hf.runtime.tuning.faster`, remembered per model size and thread count; ~1-2 s on a 2-core
+    (:func:`~dspark_hf.runtime.tuning.faster`, remembered per model size and thread count; ~2-3 s on a 2-core
     CPU), because a kernel timed alone misleads: on a 2-core AVX2 EPYC oneDNN ran SmolLM2's lm_head alone 1.2×
     faster for one row, yet the 1-token forward was 73 ms with every single row on ``F.linear`` against 85 ms
     prepacked (1 thread, ctx 256, interleaved medians of 15); on an AVX-512 EPYC prepacked was the faster (lm_head
-    7.3 against 10.2 ms), on a Xeon the stock one (a forward 54.9 against 60.8 ms). Both are exact to float32
-    rounding. Blocks of ``B > 1`` tokens always run prepacked (flat in ``B``, module docstring).
+    7.3 against 10.2 ms), on a Xeon the stock one (a forward 54.9 against 60.8 ms). On the AVX2 EPYC ``x @ W^T`` on
+    a transposed copy beat both (1 thread: 73.4 against 85.7 stock and 98.9 prepacked ms at ctx 256; 2 threads:
+    69.9 against 81.6 and 76.0), at the price of that copy's memory (kept only where chosen). All are exact to
+    float32 rounding. Blocks of ``B > 1`` tokens always run prepacked (flat in ``B``, module docstring).
 
     Args:
         model: a causal LM patched by :func:`prepack_linears` (others are left alone).
         repeats: timed forwards of each kernel.
 
     Returns:
-        ``"stock"``, ``"prepacked"``, or ``"none"`` for a model without prepacked linears.
+        The kernel chosen (one of :data:`ONE_ROW_KERNELS`), or ``"none"`` for a model without prepacked linears.
     """
-    packed = [getattr(m, PACKED_ATTR) for m in model.modules() if hasattr(m, PACKED_ATTR)]
-    if not packed:
+    linears = [(m.weight, getattr(m, PACKED_ATTR)) for m in model.modules() if hasattr(m, PACKED_ATTR)]
+    if not linears:
         return "none"
     token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
 
-    def forward_with(stock: bool):
+    def forward_with(kernel: str):
         def run():
-            for p in packed:
-                p.one_row_stock = stock
+            for _, packed in linears:
+                packed.one_row = kernel
             model(input_ids=token, use_cache=False)
         return run
 
+    def candidates():
+        for weight, packed in linears:  # the copies "transposed" reads, freed below unless it is chosen
+            packed.use_one_row("transposed", weight)
+        return [forward_with(kernel) for kernel in ONE_ROW_KERNELS]
+
     n_params = sum(p.numel() for p in model.parameters())
-    stock = faster(("forward-1-row", n_params, model.dtype), lambda: (forward_with(False), forward_with(True)),
-                   repeats) == 1
-    for p in packed:
-        p.one_row_stock = stock
-    return "stock" if stock else "prepacked"
+    chosen = ONE_ROW_KERNELS[faster(("forward-1-row", n_params, model.dtype), candidates, repeats)]
+    for weight, packed in linears:
+        packed.use_one_row(chosen, weight)
+    return chosen

@@ -1,5 +1,5 @@
-"""Kernel choices measured on the machine at hand: of two ways to compute the same thing, the one that runs faster
-here, timed once per shape and thread count and remembered for the process.
+"""Kernel choices measured on the machine at hand: of several ways to compute the same thing, the one that runs
+fastest here, timed once per shape and thread count and remembered for the process.
 
 Which CPU kernel wins depends on the machine and not only on the shapes (issue 23): on one AMD EPYC (AVX-512)
 oneDNN's prepacked inner product beat torch's stock ``F.linear`` for a single row and folding grouped query heads
