@@ -35,7 +35,7 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 from transformers.generation.streamers import BaseStreamer
 
 import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
-from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling, prepack_linears
+from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling, SPSCurve, prepack_linears
 from dspark_hf.decoding.calibration import OnlineCorrection
 from dspark_hf.decoding.candidate_generator import floor_rounds
 from dspark_hf.decoding.lookup import LookupDrafting, RoundPlan, find_continuation
@@ -190,6 +190,25 @@ def test_scheduled_lengths_vary(target, drafters, prompts, seen_lengths):
     assert len(seen_lengths["scheduler"]) >= 5, seen_lengths
     assert 0 in seen_lengths["scheduler"]
 
+
+def test_a_cpu_curve_schedules_on_the_sizes_its_round_verifies(target, prompts, references):
+    """Issue #28: a CPU curve profiled to 17 tokens, nearly flat to B = 4 (80-83 ms), then convex up to 5 s at B = 17.
+    At γ = 3 the scheduler reads the majorant of B = 1..4 (the measurements: drafts pay); the whole row's majorant,
+    its chord at ~307 ms per token, would price B = 2 at 388 ms and schedule ℓ = 0 in every round."""
+    drafter = ready_cycle_drafter(target, "markov")
+    ms = [80.0, 81.0, 82.0, 83.0] + [83.0 + 4917.0 * (b / 13) ** 2 for b in range(1, 14)]  # ms[16] = 5000
+    drafter.set_sps_curve(SPSCurve([1e3 / m for m in ms], "cycle", "AMD EPYC AVX2", "float32", torch.__version__, 0,
+                                   0, online=False, device_type="cpu"))
+    scheduled = 0
+    for i, (prompt, ref) in enumerate(zip(prompts[:6], references[:6])):
+        out = generate(target, prompt, drafter, "scheduler", 3)
+        assert_greedy_identical(target, out, ref, f"cpu curve/prompt {i}")
+        for r in drafter.last_stats.rounds:
+            if r.drafted:
+                c = drafter.calibration.apply(torch.tensor(r.confidences))
+                assert r.scheduled == schedule_prefix(c, [1e3 / m for m in ms[:4]])
+                scheduled += r.scheduled
+    assert scheduled >= 10
 
 @pytest.fixture(scope="module")
 def short_references(target, prompts):
@@ -630,7 +649,7 @@ def mode_length(drafter, confidences, gamma, mode, previous, factor=1.0):
     if mode == "threshold":
         return threshold_prefix(confidences, THRESHOLD), previous
     c = (drafter.calibration.apply(torch.tensor(confidences)) * factor).clamp(max=1.0)
-    sps = drafter.sps_curve.round_rates(0, drafts=True)[: gamma + 1]  # one context row: any context reads it
+    sps = drafter.sps_curve.round_rates(0, True, gamma + 1)  # one context row: any context reads it
     if mode == "scheduler" or previous is None:
         return schedule_prefix(c, sps), c
     return schedule_global(torch.cat([c[:1], previous[1:]]), sps), c

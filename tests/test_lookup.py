@@ -185,11 +185,11 @@ def test_drafting_cost_moves_the_choice_to_lookup_or_to_the_target_alone():
 
 def test_round_rates_add_the_costs_outside_the_verification():
     curve = tiny_sps_curve()
-    assert curve.round_rates(0, drafts=True) == pytest.approx(curve.steps_per_s)  # nothing learnt yet: SPS itself
+    assert curve.round_rates(0, True, curve.max_tokens) == pytest.approx(curve.steps_per_s)  # nothing learnt yet: SPS itself
     curve.observe_round(0.005, 0.010)  # first observations are taken as they are
     assert (curve.overhead_ms, curve.draft_ms) == pytest.approx((5.0, 10.0))
-    assert curve.round_rates(0, drafts=False)[0] == pytest.approx(1000 / 70)
-    assert curve.round_rates(0, drafts=True)[1] == pytest.approx(1000 / 124)
+    assert curve.round_rates(0, False, 1)[0] == pytest.approx(1000 / 70)
+    assert curve.round_rates(0, True, 2)[1] == pytest.approx(1000 / 124)
     curve.observe_round(0.005 * 10, None)  # a round without a drafter pass leaves draft_ms; EMA in log space
     assert (curve.overhead_ms, curve.draft_ms) == pytest.approx((5.0 * 10 ** 0.1, 10.0))
     with pytest.raises(ValueError, match="times >= 0"):

@@ -9,7 +9,7 @@ from conftest import CYCLE_VOCAB, LLAMA_DEFAULT_TOKENS, cycle_drafter, cycle_tar
 from transformers import DynamicCache
 
 from dspark_hf import SequentialTemperatureScaling
-from dspark_hf.decoding.lookup import MARGIN, plan_round
+from dspark_hf.decoding.lookup import MARGIN, LookupDrafting, plan_round
 from dspark_hf.runtime import profiling, sps
 from dspark_hf.runtime.profiling import (
     load_or_profile_sps,
@@ -72,17 +72,37 @@ def test_a_cpu_curve_plans_rounds_on_the_majorant_and_keeps_its_measurements():
     a one-token lookup with c = 0.1 no longer beats the target alone by the margin (1.1 / 94 < 1.05 / 88)."""
     ms = [88.0, 88.0, 100.0, 106.0]
     cpu = SPSCurve([1e3 / m for m in ms], "t", "AMD EPYC AVX2", "float32", "x", 256, 1, device_type="cpu")
-    assert [1e3 / r for r in cpu.round_rates(256, drafts=False)] == pytest.approx([88, 94, 100, 106])
+    assert [1e3 / r for r in cpu.round_rates(256, False, 4)] == pytest.approx([88, 94, 100, 106])
     cpu.draft_ms = 10.0
-    assert [1e3 / r for r in cpu.round_rates(256, drafts=True)] == pytest.approx([98, 104, 110, 116])
+    assert [1e3 / r for r in cpu.round_rates(256, True, 4)] == pytest.approx([98, 104, 110, 116])
     assert [1e3 / s for s in cpu.at(256)] == pytest.approx(ms)  # the rows keep what was measured
     cpu.draft_ms = 0.0
     other = SPSCurve([1e3 / m for m in ms], "t", "NVIDIA H200", "float32", "x", 256, 1, device_type="cuda")
-    assert [1e3 / r for r in other.round_rates(256, drafts=False)] == pytest.approx(ms)  # not a CPU: as measured
-    rates = cpu.round_rates(256, drafts=False)
+    assert [1e3 / r for r in other.round_rates(256, False, 4)] == pytest.approx(ms)  # not a CPU: as measured
+    rates = cpu.round_rates(256, False, 4)
     assert plan_round([0.1], [0.0] * 3, rates, 3, rates, MARGIN)[0] == "target"
-    assert plan_round([0.1], [0.0] * 3, other.round_rates(256, False), 3, margin=MARGIN)[0] == "lookup"
+    assert plan_round([0.1], [0.0] * 3, other.round_rates(256, False, 4), 3, margin=MARGIN)[0] == "lookup"
 
+
+
+def test_a_round_reads_the_majorant_of_the_sizes_it_can_verify():
+    """A CPU row profiled past what one round verifies, affine to B = 4 (80, 84, 88, 92 ms) and bending up beyond
+    (120, 160): the whole row's majorant is its chord (80 + 16 ms per token), which would price B = 2 at 96 ms; a round
+    that verifies at most 4 tokens reads the majorant of B = 1..4 alone, the measurements themselves."""
+    ms = [80.0, 84.0, 88.0, 92.0, 120.0, 160.0]
+    cpu = SPSCurve([1e3 / m for m in ms], "t", "AMD EPYC AVX2", "float32", "x", 256, 1, device_type="cpu")
+    assert [1e3 / r for r in cpu.round_rates(256, False, 4)] == pytest.approx([80, 84, 88, 92])
+    assert [1e3 / r for r in cpu.round_rates(256, False, 6)] == pytest.approx([80, 96, 112, 128, 144, 160])
+    assert [1e3 / r for r in cpu.round_rates(256, False, 2)] == pytest.approx([80, 84])
+    for bad in (0, 7):
+        with pytest.raises(ValueError, match=r"max_tokens must be in 1\.\.6"):
+            cpu.round_rates(256, False, bad)
+    # the planner at γ = 3 with no lookup match reads B <= 4: DSpark's c = 0.15 pays at 84 ms (Θ(1) = 1.15 / 84 >
+    # 1.05 / 80), not at the chord's 96 ms (1.15 / 96 < 1 / 80)
+    state = LookupDrafting(SequentialTemperatureScaling(temperatures=[1.0] * 3), cpu, max_tokens=5)
+    state.observe_block(torch.tensor([0.15] * 3))
+    plan = state.plan(torch.tensor([[1, 2, 3]]), 3, room=5)
+    assert (plan.source, plan.length) == ("dspark", None) and plan.theta == pytest.approx(1.15e3 / 84)
 
 def test_cache_round_trip(target, hf_home, monkeypatch):
     first = load_or_profile_sps(target, **KW)

@@ -335,7 +335,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
     def _prefix_length(self, block, gamma: int) -> int:
         """ℓ in 0..γ by the call's verification policy (:mod:`dspark_hf.decoding.verification`)."""
-        sps = self.sps.round_rates(self._verify_context, drafts=True)[: gamma + 1] if self.policy.needs_calibration else None
+        sps = self.sps.round_rates(self._verify_context, True, gamma + 1) if self.policy.needs_calibration else None
         return self.policy.prefix_length(block.confidences, self.calibration, sps, gamma, self.threshold)
 
     def _observe_verified_drafts(self, last: RoundStats):

@@ -312,8 +312,9 @@ class LookupDrafting(RoundPlanner):
         self._match = find_continuation(input_ids[0], min(self.max_tokens, room))
         lookup = self.acceptance.conditionals(self._match) if self._match is not None else []
         context = input_ids.shape[1] - 1  # tokens in the target's cache before this round's verification
-        return self.choose(self.curve.round_rates(context, False), self.curve.round_rates(context, True), gamma,
-                           lookup, self._match.tokens if self._match is not None else ())
+        sizes = max(gamma, len(lookup)) + 1  # the most a plan can verify (a hybrid's k lookup tokens count in γ)
+        return self.choose(self.curve.round_rates(context, False, sizes), self.curve.round_rates(context, True, sizes),
+                           gamma, lookup, self._match.tokens if self._match is not None else ())
 
     def update(self, input_ids: torch.Tensor, num_matches: int) -> None:
         """After verification: score the round's lookup continuation against its ``num_matches + 1`` produced

@@ -237,8 +237,9 @@ class SPSCurve:
             ms, old = max(1e3 * seconds, 1e-3), getattr(self, name)
             setattr(self, name, ms if old <= 0 else old * (ms / old) ** weight)
 
-    def round_rates(self, context_len: int, drafts: bool) -> list[float]:
-        """Rounds per second when the target verifies ``B`` tokens, costs outside the verification included.
+    def round_rates(self, context_len: int, drafts: bool, max_tokens: int) -> list[float]:
+        """Rounds per second of one request's round when the target verifies ``B = 1..max_tokens`` tokens, costs
+        outside the verification included.
 
         ``rate(B) = 1 / (1 / SPS(B) + overhead + draft)``, the draft term only for ``drafts=True``. The paper's
         ``Θ = τ · SPS(B)`` (§3.2.2) counts the verification alone, right where drafting and bookkeeping are
@@ -250,7 +251,9 @@ class SPSCurve:
         costs 1.08× ``B = 1``, while profiles of 3 sweeps ranged 0.96-1.25×), and an online estimate of a size
         rarely verified keeps similar dips; the measured CPU curve is close to affine in ``B`` (~5.5 ms per token
         on 83 ms), which is its own majorant, so the majorant lifts only what noise bent below the chord of the
-        neighbours, and a proposal is never planned on a verification cheaper than the shape allows. The rows
+        neighbours, and a proposal is never planned on a verification cheaper than the shape allows. The majorant
+        is taken over the sizes the round can verify alone (``B <= max_tokens``): a row profiled further (64 tokens
+        for the batched engine) bends up where compute binds, and its chord would lift the small sizes. The rows
         themselves (the cache, :meth:`observe`, reports) keep the measured values; :meth:`smooth` (running
         minimum of SPS, monotone only) is the paper's §5.2 reading of jagged curves for the global search, and the
         batched engine reads :meth:`at` raw (up to 128 tokens the CPU curve bends up where compute binds, which a
@@ -259,13 +262,20 @@ class SPSCurve:
         Args:
             context_len: tokens in the target's KV cache before the verification.
             drafts: whether the round runs the drafter.
+            max_tokens: the most tokens the round can verify (``γ + 1``; a lookup continuation of ``m > γ``
+                tokens: ``m + 1``), ``1..self.max_tokens``.
 
         Returns:
             ``rate[B - 1]`` for ``B = 1..max_tokens``, rounds per second (pass it as the ``sps`` of
             :mod:`dspark_hf.decoding.scheduler` functions).
+
+        Raises:
+            ValueError: ``max_tokens`` outside ``1..self.max_tokens``.
         """
+        if not 1 <= max_tokens <= self.max_tokens:
+            raise ValueError(f"max_tokens must be in 1..{self.max_tokens} (the curve's B), got {max_tokens}.")
         extra = 1e-3 * (self.overhead_ms + (self.draft_ms if drafts else 0.0))
-        ms = [1e3 / s for s in self.at(context_len)]  # per verification of B tokens
+        ms = [1e3 / s for s in self.at(context_len)[:max_tokens]]  # per verification of B tokens
         if self.device_type == "cpu":
             ms = concave_majorant(ms)
         return [1.0 / (1e-3 * m + extra) for m in ms]
