@@ -69,6 +69,8 @@ def test_a_single_row_runs_the_kernel_the_forward_is_fastest_with(chosen, monkey
     assert asked == [("forward-1-row", sum(p.numel() for p in model.parameters()), torch.float32)]
     packed = [getattr(m, PACKED_ATTR) for m in model.modules() if hasattr(m, PACKED_ATTR)]
     assert {p.one_row for p in packed} == {ONE_ROW_KERNELS[chosen]}
+    assert linear_kernels(model) == ("onednn-prepacked", "onednn-prepacked+stock-row",
+                                     "onednn-prepacked+transposed-row")[chosen]  # an SPS cache key apart
     assert all((p.transposed is not None) == (ONE_ROW_KERNELS[chosen] == "transposed") for p in packed)
     layer = model.model.layers[0].mlp.up_proj
     for rows in (1, 3):

@@ -45,8 +45,13 @@ def can_prepack(model: nn.Module) -> bool:
 
 
 def linear_kernels(model: nn.Module) -> str:
-    """``"onednn-prepacked"`` or ``"stock"``: which kernels ``model``'s linear layers run (timings depend on it)."""
-    return "onednn-prepacked" if is_prepacked(model) else "stock"
+    """Which kernels ``model``'s linear layers run (timings depend on it): ``"stock"``, ``"onednn-prepacked"``, or
+    that with the kernel of a single row where :func:`choose_one_row_kernel` chose another one, e.g.
+    ``"onednn-prepacked+transposed-row"``."""
+    packed = next((getattr(m, PACKED_ATTR) for m in model.modules() if hasattr(m, PACKED_ATTR)), None)
+    if packed is None:
+        return "stock"
+    return "onednn-prepacked" + ("" if packed.one_row == "prepacked" else f"+{packed.one_row}-row")
 
 
 def _weight_key(w: torch.Tensor) -> tuple:

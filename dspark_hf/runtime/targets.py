@@ -137,7 +137,7 @@ def kernels_label(model: torch.nn.Module) -> str:
     kernels (:func:`~dspark_hf.runtime.kernels.linear_kernels`), then ``+sdpa-gqa`` and ``+growing-cache`` where
     :func:`use_cpu_kernels` switched them on, and ``+tuned`` where kernels are chosen by timing them on the machine
     (:mod:`~dspark_hf.runtime.tuning`: a prepacked linear's single row, the attention's folding), e.g.
-    ``"onednn-prepacked+sdpa-gqa+growing-cache+tuned"``."""
+    ``"onednn-prepacked+transposed-row+sdpa-gqa+growing-cache+tuned"``."""
     gqa, prepacked = uses_gqa_attention(model), is_prepacked(model)
     return (linear_kernels(model) + "+sdpa-gqa" * gqa + "+growing-cache" * uses_growing_cache(model)
             + "+tuned" * (gqa or prepacked))
