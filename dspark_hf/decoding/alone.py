@@ -67,8 +67,11 @@ class AlonePlanner(RoundPlanner):
             gamma: the step's block size (γ capped by the budget); room: draft tokens the budget leaves.
 
         Returns:
-            :class:`~dspark_hf.decoding.lookup.RoundPlan` (``length``: ℓ of a lookup, hybrid or target step).
+            :class:`~dspark_hf.decoding.lookup.RoundPlan` (``length``: ℓ of a lookup, hybrid or target step); with
+            ``gamma < 1`` (one token left) the target alone, unplanned, as the single path's last round.
         """
+        if gamma < 1:
+            return RoundPlan("target", (), 0)
         if self.prior is not None and self.acceptance is None:
             self.acceptance = LookupAcceptance(prior=self.prior())
         max_tokens = min(MAX_BLOCK_SIZE, costs.sps.max_tokens - 1, room)
