@@ -8,7 +8,7 @@ against the enumerated law of each row's prompt), whatever the other rows do.
 import pytest
 import torch
 from conftest import CYCLE_INV, CYCLE_VOCAB, cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
-from test_generation import SV, chi_square, coin_flip_plan, cycle_prompt, exact_laws, sampling_drafter
+from test_generation import LEAK_TOKEN, SV, chi_square, coin_flip_plan, cycle_prompt, exact_laws, sampling_drafter
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
@@ -17,7 +17,7 @@ from dspark_hf.bench.concurrency import markdown, run_concurrency, write
 from dspark_hf.decoding.alone import AlonePlanner
 from dspark_hf.decoding.batch_costs import DraftGate, StepCosts, learnt_costs
 from dspark_hf.decoding.calibration import OnlineCorrection
-from dspark_hf.decoding.lookup import find_continuation
+from dspark_hf.decoding.lookup import RoundPlan, find_continuation
 from dspark_hf.decoding.lookup_acceptance import LookupAcceptance, LookupPrior, reset_lookup_prior
 from dspark_hf.runtime.ragged import RaggedBatch, RequestKV, ragged_attention, ragged_forward
 
@@ -701,6 +701,24 @@ def test_sampling_is_exact_for_a_request_alone_with_lookup_proposals(sampling_ro
         assert p > 1e-3, (mode, x2, df, p)
     for source in ("lookup", "hybrid"):
         assert (source, True) in sources and (source, False) in sources, sources
+
+
+def test_a_fixed_lookup_token_is_accepted_with_the_targets_probability(sampling_rows, monkeypatch):
+    """R = 1, 3 new tokens, the step after the prefill always proposes lookup token 2 alone (one-hot q): t2 follows the
+    target's law. The random tokens of the coin-flip test average a wrong q's bias out; a fixed token does not (a
+    uniform q accepts it with probability min(1, 8 · p(2)) instead of p(2))."""
+    target, prompts, laws = sampling_rows
+    monkeypatch.setattr(AlonePlanner, "plan", lambda self, ids, costs, context, gamma, room: RoundPlan(
+        "lookup", (LEAK_TOKEN,), 1) if gamma >= 1 else RoundPlan("target", (), 0))
+    drafter, n, counts = sampling_drafter(target), 200, torch.zeros(SV)
+    torch.manual_seed(7)
+    for _ in range(n):
+        outputs, stats = generate_concurrent(target, drafter, [prompts[0]], max_concurrency=1, max_new_tokens=3,
+                                             verification="scheduler", do_sample=True, block_size=4, eos_token_ids=())
+        counts[outputs[0][1]] += 1
+        assert stats[0].rounds[0].draft_tokens == [LEAK_TOKEN] and not stats[0].rounds[0].confidences
+    x2, df, p = chi_square(counts, laws[0][0].sum(0).float(), n)
+    assert p > 1e-3, (x2, df, p)
 
 
 def test_requests_in_flight_together_plan_no_lookup(target, drafter):
