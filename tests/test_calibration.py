@@ -237,6 +237,19 @@ def test_online_correction_matches_the_means_of_the_verified_drafts():
     assert small.factor == pytest.approx(1.5 / 1.0)
 
 
+def test_a_hybrid_rounds_forced_lookup_tokens_do_not_teach_the_correction():
+    """Block [0.5, 0.8, 0.6, 0.4] (calibrated), its first k drafts forced lookup tokens: only the drafter's own verified
+    drafts k+1..ℓ count, and only once the k forced were all accepted."""
+    correction = OnlineCorrection(prior=2.0)
+    correction.observe_round([0.5, 0.8, 0.6, 0.4], 1, 3, 2)  # drafts 2, 3 verified; the lookup token and draft 2 accepted
+    assert (correction.expected, correction.accepted) == (pytest.approx(0.8 + 0.6), 1)
+    correction.observe_round([0.5, 0.8, 0.6, 0.4], 2, 4, 1)  # a forced token rejected: the drafter was not reached
+    correction.observe_round([0.5, 0.8, 0.6, 0.4], 2, 2, 2)  # a lookup-only prefix verified: none of the drafter's
+    assert (correction.expected, correction.accepted) == (pytest.approx(1.4), 1)
+    correction.observe_round([0.5, 0.8, 0.6, 0.4], 0, 2, 0)  # a DSpark round: observe's rule (position 1 reached)
+    assert (correction.expected, correction.accepted) == (pytest.approx(1.9), 1)
+
+
 def test_failing_drafts_halve_the_estimates_within_a_few_rounds():
     """Calibrated c_1 = 0.6, always rejected: after three rounds f = 2 / 3.8 (< 0.55)."""
     correction = OnlineCorrection()

@@ -8,13 +8,17 @@ against the enumerated law of each row's prompt), whatever the other rows do.
 import pytest
 import torch
 from conftest import CYCLE_INV, CYCLE_VOCAB, cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
-from test_generation import SV, chi_square, exact_laws, sampling_drafter
+from test_generation import LEAK_TOKEN, SV, chi_square, coin_flip_plan, cycle_prompt, exact_laws, sampling_drafter
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from dspark_hf import ConcurrentDecoder, SequentialTemperatureScaling, generate_concurrent
 from dspark_hf.bench.concurrency import markdown, run_concurrency, write
+from dspark_hf.decoding.alone import AlonePlanner
 from dspark_hf.decoding.batch_costs import DraftGate, StepCosts, learnt_costs
+from dspark_hf.decoding.calibration import OnlineCorrection
+from dspark_hf.decoding.lookup import RoundPlan, find_continuation
+from dspark_hf.decoding.lookup_acceptance import LookupAcceptance, LookupPrior, reset_lookup_prior
 from dspark_hf.runtime.ragged import RaggedBatch, RequestKV, ragged_attention, ragged_forward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -49,6 +53,13 @@ class ScriptedGate(DraftGate):
     def drafts(self, costs, requests, context):
         self.calls += 1
         return self.calls % 3 != 0
+
+
+@pytest.fixture(autouse=True)
+def fresh_lookup_prior(drafter):
+    """Each test's requests start prompt lookup from Beta(1, 1), whatever the tests before them taught the drafter
+    (the lookup prior is learnt across a drafter's calls, issue #28)."""
+    reset_lookup_prior(drafter)
 
 
 @pytest.fixture(autouse=True)
@@ -515,7 +526,8 @@ def drafted_with_confidence(monkeypatch, drafter, confidence):
 
 @pytest.mark.parametrize("mode", ["scheduler", "async"])
 def test_a_request_alone_in_flight_is_planned_as_the_single_request_path_plans(target, drafter, monkeypatch, mode):
-    """R = 1: the single-request path's round planner decides whether a step drafts; the gate is never asked. Steps
+    """R = 1 without prompt lookup: the single-request path's round planner decides whether a step drafts; the gate
+    is never asked. Steps
     cost 5 ms beyond the verification (65 ms at B = 1, 109 at B = 2), the drafter pass nothing, and every draft
     carries confidence 0.1: DSpark's Θ(ℓ = 1) = 1.1 · 1000 / 114 = 9.6 against the target alone's 1000 / 70 = 14.3.
     The first step drafts (no estimate yet; Algorithm 1 verifies none of it), then the target verifies alone and a
@@ -525,7 +537,7 @@ def test_a_request_alone_in_flight_is_planned_as_the_single_request_path_plans(t
     costs, gate = FrozenCosts(curve, overhead_ms={1: 5.0}), ScriptedGate()
     monkeypatch.setattr("dspark_hf.decoding.concurrent.learnt_costs", lambda *args: (costs, gate))
     drafted_with_confidence(monkeypatch, drafter, 0.1)
-    decoder = ConcurrentDecoder(target, drafter, verification=mode, max_requests=1, sps=curve)
+    decoder = ConcurrentDecoder(target, drafter, verification=mode, max_requests=1, sps=curve, lookup=False)
     request = decoder.add(PROMPTS[2], 30)
     with decoder.running():
         while decoder.active:
@@ -566,6 +578,163 @@ def test_a_requests_length_is_planned_on_its_online_corrected_confidences(target
         for request in [corrected, *others]:
             assert request.generated == plain(target, request.ids[:request.prompt_length], max_new=12)
     assert first_lengths == [[0], [1, 4]]
+
+
+# ----------------------------------------------------------------- a request alone in flight: prompt lookup
+# Alone in flight, a request's step is the single-request path's round (dspark_hf.decoding.alone): a lookup
+# continuation (no drafter pass), a hybrid (lookup tokens forced as the block's first drafts), DSpark or the target.
+LOOKUP_COSTS = dict(overhead_ms={1: 5.0, 2: 5.0}, draft_ms={1: 10.0, 2: 10.0})  # beyond the tiny curve (ms)
+
+
+def round_source(r):
+    """What a recorded step proposed: ``lookup`` (no confidences: no drafter pass), ``hybrid``, ``dspark``, ``target``."""
+    if r.lookup:
+        return "hybrid" if r.confidences else "lookup"
+    return "dspark" if r.drafted else "target"
+
+
+def alone_planner(lookup, dspark):
+    """A planner whose lookup tokens are worth ``lookup = (first token, later ones)`` (its prior means, no data yet)
+    and whose DSpark estimate is the calibrated block ``dspark`` (correction f = 1)."""
+    planner = AlonePlanner(None, OnlineCorrection(), LookupPrior)
+    planner.acceptance = LookupAcceptance(prior=LookupPrior())
+    planner.acceptance.prior_means = dict(zip((True, False), lookup))
+    planner.block_estimate = list(dspark)
+    return planner
+
+
+def test_a_request_alone_plans_lookup_hybrid_dspark_or_the_target_by_theta():
+    """Hand values. Steps cost 5 ms beyond the tiny curve, the drafter's pass 10 ms more: Θ(ℓ) = (1 + Σ a_j) · rate,
+    rates without the drafter 1000 / (70, 114, 115, 120) and with it 1000 / (80, 124, 125, 130) at B = 1..4; the
+    target alone 1000 / 70 = 14.29 (to beat by 5 %: 15.0). Text [5, 6, 7, 8, 5, 6]: the anchor 6 ends "5 6", seen at
+    the start, so the continuation is (7, 8, 5) with 3 tokens of room (γ = 3).
+
+    * lookup (0.9, 0.9), DSpark 0.9 each: lookup ℓ = 3, Θ = (1 + .9 + .81 + .729) · 1000 / 120 = 28.66; DSpark and every
+      hybrid read the same survivals at the drafter's rates (3.439 · 1000 / 130 = 26.45);
+    * lookup (0.5, 0.5), DSpark 0.9: DSpark (26.45 against lookup's 1.875 · 1000 / 120 = 15.63 and the best hybrid,
+      k = 1: (1 + .5 + .45 + .405) · 1000 / 130 = 18.12);
+    * lookup (0.9, 0.3), DSpark (0.2, 0.95, 0.95): hybrid k = 1, ℓ = 3, Θ = (1 + .9 + .855 + .81225) · 1000 / 130 =
+      27.44 (lookup alone 2.17 · 1000 / 115 = 18.87; DSpark at best ℓ = 0, 12.5; k = 2: 2.4265 · 1000 / 130 = 18.67);
+    * lookup (0.3, 0.3), DSpark 0.1: the target alone (every proposal's Θ below 15.0: lookup 1.39 · 1000 / 115 = 12.09,
+      DSpark's ℓ = 0 at the drafter's rate 12.5)."""
+    costs = FrozenCosts(tiny_sps_curve(), **LOOKUP_COSTS)
+    ids = [5, 6, 7, 8, 5, 6]
+    cases = [((0.9, 0.9), [0.9] * 3, ("lookup", (7, 8, 5), 3, 3.439 * 1000 / 120)),
+             ((0.5, 0.5), [0.9] * 3, ("dspark", (), None, 3.439 * 1000 / 130)),
+             ((0.9, 0.3), [0.2, 0.95, 0.95], ("hybrid", (7,), 3, 3.56725 * 1000 / 130)),
+             ((0.3, 0.3), [0.1] * 3, ("target", (), 0, 1000 / 70))]
+    for lookup, dspark, (source, tokens, length, theta) in cases:
+        plan = alone_planner(lookup, dspark).plan(ids, costs, context=5, gamma=3, room=3)
+        assert (plan.source, plan.lookup_tokens, plan.length) == (source, tokens, length), (lookup, dspark, plan)
+        assert plan.theta == pytest.approx(theta, rel=1e-9)
+
+
+@pytest.mark.parametrize("mode", ["scheduler", "async"])
+def test_a_request_alone_with_lookup_steps_equals_plain_generate(target, drafter, monkeypatch, mode):
+    """R = 1 on prompts holding a stretch of the cycle (some with every 2nd, 3rd or 4th token of it wrong), the
+    drafter's pass free (steps cost 5 ms beyond the tiny curve): lookup, hybrid, DSpark and target steps all run and the
+    output equals plain greedy ``generate``. Replayed from the output step by step: each step's leading lookup tokens
+    are the continuation of the text accepted before it (so a hybrid's block starts with them), the lookup estimate
+    scored every planned continuation against what the step produced, and the online correction heard from the
+    drafter's own verified drafts only (after a hybrid's forced tokens)."""
+    costs = FrozenCosts(tiny_sps_curve(), overhead_ms={1: 5.0}, draft_ms={1: 0.0})
+    monkeypatch.setattr("dspark_hf.decoding.concurrent.learnt_costs", lambda *args: (costs, ScriptedGate()))
+    g = torch.Generator().manual_seed(14)
+    sources = []
+    for trap in (0, 3, 4, 2):
+        prompt = cycle_prompt(g, trap_every=trap)[0].tolist()
+        decoder = ConcurrentDecoder(target, drafter, verification=mode, max_requests=1, sps=costs.sps)
+        request, acceptance, correction = decoder.add(prompt, 24), LookupAcceptance(), OnlineCorrection()
+        with decoder.running():
+            decoder.step()  # the prefill
+            while decoder.active:
+                done = len(request.generated)
+                decoder.step()
+                r, room = request.stats.rounds[-1], 24 - done - 1  # room: draft tokens the budget left
+                match = find_continuation(prompt + request.generated[:done], min(16, costs.sps.max_tokens - 1, room))
+                if match is not None:
+                    acceptance.update(match, request.generated[done:done + r.accepted + 1])
+                assert r.draft_tokens[:r.lookup] == list(match.tokens[:r.lookup] if r.lookup else ()), (done, r)
+                if r.confidences:
+                    correction.observe_round(r.confidences, r.lookup, r.scheduled, r.accepted)  # STS at T = 1
+                if not request.done:  # (the last step's drafts may be cut by the budget)
+                    assert (request.planner.acceptance.accepted, request.planner.acceptance.rejected) == (
+                        acceptance.accepted, acceptance.rejected)
+                    assert request.planner.correction.expected == pytest.approx(correction.expected)
+                    assert request.planner.correction.accepted == correction.accepted
+                sources.append(round_source(r))
+        assert request.generated == plain(target, prompt, max_new=24)
+    assert {"lookup", "hybrid", "dspark", "target"} <= set(sources), sources
+
+
+@pytest.mark.parametrize("mode", ["scheduler", "async"])
+def test_sampling_is_exact_for_a_request_alone_with_lookup_proposals(sampling_rows, monkeypatch, mode):
+    """R = 1, 4 new tokens, the step after the prefill planned by coin flips drawn independently of every draft
+    (test_generation's: lookup, hybrid, DSpark or the target; the real continuation when the text has one, else
+    random tokens): (t1, t2), (t2, t3), t2 and t3 follow the target's law; lookup tokens were both accepted and
+    rejected. A lookup token always accepted (its q zero) fails it; a uniform q instead of the one-hot one is biased
+    too, but with random lookup tokens the bias averages out (t2: p ≈ 2e-3 at 400 samples, 2e-2 at 600)."""
+    target, prompts, laws = sampling_rows
+    drafter = sampling_drafter(target)
+    flip, plan = coin_flip_plan(7), AlonePlanner.plan
+
+    def coin_flips(self, ids, costs, context, gamma, room):
+        if gamma < 1:  # one token left: not planned
+            return plan(self, ids, costs, context, gamma, room)
+        self.max_tokens = room  # read by the coin flips' lookup
+        return flip(self, torch.tensor([ids]), gamma, room)
+
+    monkeypatch.setattr(AlonePlanner, "plan", coin_flips)
+    n, tables, sources = 400, (torch.zeros(SV, SV), torch.zeros(SV, SV)), []
+    torch.manual_seed(2024)
+    for _ in range(n):
+        outputs, stats = generate_concurrent(target, drafter, [prompts[0]], max_concurrency=1, max_new_tokens=4,
+                                             verification=mode, do_sample=True, block_size=4, eos_token_ids=())
+        t = outputs[0]
+        tables[0][t[0], t[1]] += 1
+        tables[1][t[1], t[2]] += 1
+        first = stats[0].rounds[0]
+        sources.append((round_source(first), first.accepted >= 1))
+    # the marginals too: a lookup proposal's bias sits in one token of t2, diluted in the 64 cells of (t1, t2)
+    for counts, law in (*zip(tables, laws[0]), (tables[0].sum(0), laws[0][0].sum(0)), (tables[1].sum(0), laws[0][1].sum(0))):
+        x2, df, p = chi_square(counts, law.float(), n)
+        assert p > 1e-3, (mode, x2, df, p)
+    for source in ("lookup", "hybrid"):
+        assert (source, True) in sources and (source, False) in sources, sources
+
+
+def test_a_fixed_lookup_token_is_accepted_with_the_targets_probability(sampling_rows, monkeypatch):
+    """R = 1, 3 new tokens, the step after the prefill always proposes lookup token 2 alone (one-hot q): t2 follows the
+    target's law. The random tokens of the coin-flip test average a wrong q's bias out; a fixed token does not (a
+    uniform q accepts it with probability min(1, 8 · p(2)) instead of p(2))."""
+    target, prompts, laws = sampling_rows
+    monkeypatch.setattr(AlonePlanner, "plan", lambda self, ids, costs, context, gamma, room: RoundPlan(
+        "lookup", (LEAK_TOKEN,), 1) if gamma >= 1 else RoundPlan("target", (), 0))
+    drafter, n, counts = sampling_drafter(target), 200, torch.zeros(SV)
+    torch.manual_seed(7)
+    for _ in range(n):
+        outputs, stats = generate_concurrent(target, drafter, [prompts[0]], max_concurrency=1, max_new_tokens=3,
+                                             verification="scheduler", do_sample=True, block_size=4, eos_token_ids=())
+        counts[outputs[0][1]] += 1
+        assert stats[0].rounds[0].draft_tokens == [LEAK_TOKEN] and not stats[0].rounds[0].confidences
+    x2, df, p = chi_square(counts, laws[0][0].sum(0).float(), n)
+    assert p > 1e-3, (x2, df, p)
+
+
+def test_requests_in_flight_together_plan_no_lookup(target, drafter):
+    """R = 2, one prompt twice with the same budget (greedy: the two finish at the same step, never one alone): every
+    step is the gate's (ScriptedGate drafts 2 steps of 3), no step proposes lookup tokens, each output is plain greedy
+    ``generate``'s; ``lookup=False`` keeps lookup off for a request alone."""
+    prompts = [cycle_prompt(torch.Generator().manual_seed(14))[0].tolist()] * 2
+    outputs, stats = generate_concurrent(target, drafter, prompts, max_concurrency=2, max_new_tokens=12,
+                                         verification="scheduler", eos_token_ids=())
+    assert outputs == [plain(target, p, max_new=12) for p in prompts]
+    steps = [s for s in stats.steps if not s.prefill]
+    assert all(s.requests == 2 for s in steps) and [s.drafted for s in steps[:6]] == [2, 2, 0, 2, 2, 0]
+    assert all(r.lookup == 0 for row in stats.rows for r in row.rounds)
+    _, alone = generate_concurrent(target, drafter, prompts[:1], max_concurrency=1, max_new_tokens=12,
+                                   verification="scheduler", lookup=False)
+    assert all(r.lookup == 0 for r in alone[0].rounds)
 
 
 def test_learnt_costs_carry_over_between_calls_with_the_same_settings(drafter):

@@ -11,7 +11,8 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from ..modeling.modeling_dspark import DSparkDrafter
-from .concurrent import ConcurrentDecoder, Request
+from .concurrent import ConcurrentDecoder
+from .request import Request
 from .settings import _reject_stateful_processors, call_block_size
 from .stats import BatchStats, publish_stats
 from .stopping import ROUND_EXACT_CRITERIA
@@ -105,7 +106,8 @@ def generate_batch(target, drafter: DSparkDrafter, input_ids: torch.Tensor, gene
         target, drafter, block_size=call_block_size(generation_config, drafter.config.block_size), verification=getattr(generation_config, "dspark_verification", None),
         threshold=getattr(generation_config, "dspark_threshold", None), do_sample=bool(generation_config.do_sample),
         logits_processor=logits_processor, eos_token_ids=eos.reshape(-1).tolist() if eos is not None else (),
-        stop=_per_token_stop(stopping_criteria, input_ids.device), max_requests=len(rows))
+        stop=_per_token_stop(stopping_criteria, input_ids.device), max_requests=len(rows),
+        lookup=getattr(generation_config, "dspark_lookup", None) is not False)
     publish_stats(drafter, decoder.stats)
     for i, row in enumerate(rows):  # processors and stop checks see each row as batched plain generate shows it
         decoder.add(row, generation_config.max_length - width, padding=input_ids[i, : width - len(row)].tolist(),
@@ -130,8 +132,9 @@ def _reject_batch_options(generation_config, logits_processor, model_kwargs: dic
         raise ValueError("return_dict_in_generate is not supported for batched DSpark generate; read per-row "
                          "statistics from drafter.last_stats.")
     if getattr(generation_config, "dspark_lookup", None):
-        raise ValueError("dspark_lookup (prompt lookup) runs for one request; batched DSpark generate drafts with the "
-                         "drafter only: drop dspark_lookup or call generate once per prompt.")
+        raise ValueError("dspark_lookup=True (prompt lookup every round) runs for one request; batched DSpark "
+                         "generate plans it only for a row left alone in flight (dspark_lookup=False: never): drop "
+                         "dspark_lookup or call generate once per prompt.")
     cache = model_kwargs.get("cache")
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError("A pre-filled cache is not supported for batched DSpark generate; pass the whole sequences.")

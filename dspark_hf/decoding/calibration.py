@@ -281,6 +281,15 @@ class OnlineCorrection:
         self.expected += float(sum(calibrated[: accepted + 1]))
         self.accepted += accepted
 
+    def observe_round(self, calibrated: Sequence[float], forced: int, scheduled: int, accepted: int) -> None:
+        """Fold in one verified round whose first ``forced`` drafts were prompt-lookup tokens (a hybrid round;
+        ``0``: a DSpark round): ``calibrated`` = the round's block's calibrated conditionals (``γ`` values, forced
+        positions included), ``scheduled`` = ℓ, ``accepted`` = drafts accepted. Only the drafter's own verified
+        drafts ``forced + 1..ℓ`` count, and only when the ``forced`` ones were all accepted (the target reached
+        them); a round with none of them verified is not heard from (:meth:`observe`)."""
+        if scheduled > forced and accepted >= forced:
+            self.observe(calibrated[forced:scheduled], accepted - forced)
+
 
 class CorrectedCalibration:
     """STS followed by the generation's online correction: what the verification policies see of a block's

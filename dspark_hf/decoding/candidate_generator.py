@@ -341,11 +341,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
     def _observe_verified_drafts(self, last: RoundStats):
         """Fold the verified DSpark drafts of the round just verified into the online correction: block positions
         ``k+1..ℓ`` after ``k`` forced lookup tokens, heard from only when those ``k`` were all accepted."""
-        k = last.lookup
-        if self.correction is None or not last.confidences or last.scheduled <= k or last.accepted < k:
+        if self.correction is None or not last.confidences:
             return
         calibrated = self.drafter.calibration.apply(torch.tensor(last.confidences)).tolist()
-        self.correction.observe(calibrated[k:last.scheduled], last.accepted - k)
+        self.correction.observe_round(calibrated, last.lookup, last.scheduled, last.accepted)
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         """Record the number of accepted drafts and the verify time of the round just verified; in the

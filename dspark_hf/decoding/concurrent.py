@@ -5,7 +5,9 @@ Each step (:meth:`ConcurrentDecoder.step`):
 1. requests admitted since the last step are prefilled in the same ragged forward as the running requests'
    round (chunked-prefill style; their first token comes from it), so a newcomer never stalls the others;
 2. every running request drafts a block of ``γ_r = min(γ, tokens left − 1)`` from its own context (the scheduled
-   modes draft where it is expected to beat plain decoding: see :class:`ConcurrentDecoder`);
+   modes draft where it is expected to beat plain decoding: see :class:`ConcurrentDecoder`; a request alone in
+   flight may propose prompt-lookup tokens instead, or with the drafter's, as one request's round does:
+   :mod:`dspark_hf.decoding.alone`);
 3. the verification mode picks ``ℓ_1 .. ℓ_R``: ``scheduler`` / ``async`` run Algorithm 1 across the requests
    (:func:`~dspark_hf.decoding.scheduler.schedule_batch`, the ``async`` mode as the §5.2 global search on
    confidences no draft of its block depends on), ``fixed`` verifies ``γ_r``, ``threshold`` the confident prefix;
@@ -33,66 +35,15 @@ from ..modeling.modeling_dspark import DSparkDrafter
 from ..modeling.outputs import DraftBlock
 from ..runtime.kernels import is_prepacked, prepack_linears
 from ..runtime.profiling import ensure_sps_curve
-from ..runtime.ragged import RaggedBatch, RequestKV, ragged_attention, ragged_forward
+from ..runtime.ragged import RaggedBatch, ragged_attention, ragged_forward
+from .alone import DRAFTER_SOURCES, forced_tokens, lookup_proposal
 from .batch_costs import DraftGate, StepCosts, learnt_costs
-from .calibration import CorrectedCalibration, OnlineCorrection
-from .lookup import RoundPlanner
+from .request import Request, RowOfBatch
 from .scheduler import schedule_batch
-from .stats import BatchStats, GenerationStats, RoundStats, StepStats
+from .stats import BatchStats, RoundStats, StepStats
 from .verification import POLICIES, accept_drafts, unmet_need
 
 MAX_PROFILED_TOKENS = 128  # the longest SPS curve profiled on demand (B = Σ (1 + ℓ_r) beyond it is never scheduled)
-
-
-class Request:
-    """One request of a :class:`ConcurrentDecoder`: its tokens, target KV cache, drafter context and statistics.
-
-    Attributes:
-        index: the order it was added in.
-        ids: prompt then generated token ids (host list; the last one is the anchor, not yet in the KV cache).
-        prompt_length: tokens of the prompt.
-        max_new_tokens: its token budget.
-        stats: per-round statistics (:class:`GenerationStats`; ``new_tokens`` counts its tokens).
-        planner / calibration: in the scheduled modes, its round planner (alone in flight) and the confidences its
-            ℓ is planned on (the drafter's STS, then the planner's online correction); ``None`` otherwise.
-        done: finished (EOS, budget or stop); its caches are released.
-        added_s / finished_s: ``time.perf_counter()`` when it was added and when it finished (``None`` before).
-    """
-
-    def __init__(self, index: int, prompt: Sequence[int], max_new_tokens: int, num_layers: int, decoder,
-                 padding: Sequence[int] = ()):
-        self.index = index
-        self.ids = [int(t) for t in prompt]
-        self.prompt_length = len(self.ids)
-        self.padding = [int(t) for t in padding]  # what logits processors and stop checks see before the prompt
-        self.max_new_tokens = max_new_tokens
-        self.kv: RequestKV | None = RequestKV(num_layers)
-        self.context = decoder.drafter.new_context() if decoder.drafter is not None else None
-        self.policy = POLICIES[decoder.mode]() if decoder.drafter is not None else None
-        scheduled = decoder.drafter is not None and self.policy.needs_calibration  # alone in flight, it plans rounds
-        calibration = decoder.drafter.calibration if scheduled else None
-        self.planner = RoundPlanner(calibration, OnlineCorrection()) if scheduled else None
-        # its ℓ is planned on the estimates its planner's Θ reads: calibrated, then corrected online (built once)
-        self.calibration = CorrectedCalibration(calibration, self.planner.correction) if scheduled else None
-        self.pending: list[torch.Tensor] = []  # target features [1, n, m·d] not yet in the drafter's context
-        self.processors = None  # its logits processors (set by ConcurrentDecoder.add)
-        self.stats = GenerationStats(verification=decoder.mode if decoder.drafter is not None else "plain")
-        self.done = False
-        self.added_s, self.finished_s = time.perf_counter(), None
-
-    @property
-    def generated(self) -> list[int]:
-        return self.ids[self.prompt_length:]
-
-    @property
-    def room(self) -> int:
-        """Tokens it may still emit."""
-        return self.max_new_tokens - len(self.generated)
-
-    def release(self) -> None:
-        """Free its KV cache and drafter context (a finished request costs nothing)."""
-        self.kv, self.context, self.pending, self.done = None, None, [], True
-        self.finished_s = time.perf_counter()
 
 
 class ConcurrentDecoder:
@@ -117,14 +68,16 @@ class ConcurrentDecoder:
         sps: the SPS curve the scheduled modes read when it covers those tokens (else, and by default,
             :func:`~dspark_hf.runtime.profiling.ensure_sps_curve`: the drafter's, or the stored or newly measured
             one, at :meth:`running`'s start).
+        lookup: in the scheduled modes, prompt lookup for a request alone in flight (default, as the single-request
+            path's); ``False``: the drafter alone.
 
     Raises:
         ValueError: an unknown mode, a mode the drafter cannot run (no confidence head, no calibration covering
             γ), a threshold outside [0, 1], ``max_requests < 1``.
 
-    In the scheduled modes a step with one request in flight drafts or not as the single-request path's round
-    planner decides (:class:`~dspark_hf.decoding.lookup.RoundPlanner`: the request's last block, corrected online,
-    against the step rates at R = 1, with probes; no prompt lookup), a step with several as a
+    In the scheduled modes a step with one request in flight is the round the single-request path's planner would
+    run (:mod:`dspark_hf.decoding.alone`: prompt lookup, DSpark, a hybrid of both or the target alone, by Θ at the
+    step rates at R = 1), a step with several drafts for all or none as a
     :class:`~dspark_hf.decoding.batch_costs.DraftGate` expects drafting to beat plain batched decoding
     (:class:`~dspark_hf.decoding.batch_costs.StepCosts`); both start from what earlier decoders with the same
     drafter, curve and settings learnt (:func:`~dspark_hf.decoding.batch_costs.learnt_costs`).
@@ -133,7 +86,8 @@ class ConcurrentDecoder:
     def __init__(self, target, drafter: DSparkDrafter | None = None, *, block_size: int | None = None,
                  verification: str | None = None, threshold: float | None = None, do_sample: bool = False,
                  logits_processor=None, eos_token_ids: Iterable[int] | None = None,
-                 stop: Callable[[Request, list[int]], bool] | None = None, max_requests: int = 8, sps=None):
+                 stop: Callable[[Request, list[int]], bool] | None = None, max_requests: int = 8, sps=None,
+                 lookup: bool = True):
         self.target = target
         self.drafter = drafter.bind(target) if drafter is not None else None
         if drafter is not None and is_prepacked(target):
@@ -144,7 +98,7 @@ class ConcurrentDecoder:
         self.threshold = float(threshold if threshold is not None else (cfg.confidence_threshold if cfg else 0.0))
         if drafter is not None:
             self._check_mode()
-        self.do_sample = do_sample
+        self.do_sample, self.lookup = do_sample, lookup
         self.processors = logits_processor if logits_processor is not None and len(logits_processor) else None
         if eos_token_ids is None:
             eos_token_ids = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
@@ -260,15 +214,19 @@ class ConcurrentDecoder:
         context = sum(contexts) // len(contexts) if requests else 0
         drafts, plan = self.drafter is not None and bool(requests), None
         if self.costs is not None and drafts:  # decided from past steps only: lossless
-            alone = len(requests) == 1 and not fresh  # planned as the single-request path plans a round
-            plan = requests[0].planner.choose(self.costs.rates(1, context), self.costs.rates(1, context, 1),
-                                              min(self.block_size, requests[0].room - 1)) if alone else None
-            drafts = plan.source == "dspark" if alone else not fresh and self.gate.drafts(self.costs, len(requests), context)
+            alone = requests[0] if len(requests) == 1 and not fresh else None  # planned as one request's round
+            plan = alone.planner.plan(alone.ids, self.costs, context, min(self.block_size, alone.room - 1),
+                                      alone.room - 1) if alone else None
+            drafts = plan.source in DRAFTER_SOURCES if alone else not fresh and self.gate.drafts(self.costs, len(requests), context)
         draft_start, self._extend_ms = time.perf_counter(), 0.0
-        blocks = self._draft(requests) if drafts else [None] * len(requests)
+        blocks = self._draft(requests, forced_tokens(plan)) if drafts else [None] * len(requests)
         drafting = sum(b is not None for b in blocks)  # all, or fewer where requests have no room for drafts
         draft_ms = 1e3 * (time.perf_counter() - draft_start)
-        lengths = self._schedule(requests, blocks, context, drafting) if requests else []
+        if plan is not None and plan.length is not None:  # lookup, hybrid, target: ℓ planned with the step
+            lengths, blocks = [plan.length], [lookup_proposal(plan, self.drafter.config.vocab_size, self.do_sample)
+                                              if plan.source == "lookup" else blocks[0]]
+        else:
+            lengths = self._schedule(requests, blocks, context, drafting) if requests else []
         if plan is not None and plan.probe and drafting:  # a probe verifies a draft: the correction hears from it
             lengths[0] = max(lengths[0], 1)
         segments = [[r.ids[-1]] + (b.tokens[:n].tolist() if b is not None else []) for r, b, n in
@@ -295,9 +253,8 @@ class ConcurrentDecoder:
             draft_logits = block.logits[:n] if block is not None and block.logits is not None else None
             tokens = accept_drafts(torch.tensor([request.ids]), drafts, draft_logits, rows, self.do_sample)
             accepted = len(tokens) - 1
-            if request.planner is not None and block is not None:  # what its next plans read (after this round)
-                request.planner.observe_block(block.confidences)
-                request.planner.correction.observe(request.planner.block_estimate[:n], accepted)
+            if request.planner is not None:  # what its next plans read (after this round)
+                request.planner.observe_step(block, len(plan.lookup_tokens) if plan else 0, n, tokens)
             request.kv.truncate(cached + 1 + accepted)  # the anchor and the accepted drafts stay (rollback)
             self._keep_features(request, hidden, offset, 1 + accepted)
             offset += m
@@ -306,7 +263,8 @@ class ConcurrentDecoder:
                 drafted=block.tokens.numel() if block is not None else 0, scheduled=n, accepted=len(out) - 1,
                 draft_tokens=block.tokens.tolist() if block is not None else [],
                 confidences=block.confidences.tolist() if block is not None and block.confidences is not None else [],
-                draft_ms=draft_ms / len(requests), verify_ms=step.verify_ms))
+                draft_ms=draft_ms / len(requests), verify_ms=step.verify_ms,
+                lookup=len(plan.lookup_tokens) if plan else 0))
             emitted[request.index] = out
         if requests and drafting == len(requests) and self.costs is not None:  # what the requests got
             self.gate.observe(len(requests), sum(len(emitted[r.index]) for r in requests), verified)
@@ -320,10 +278,10 @@ class ConcurrentDecoder:
         return emitted
 
     # ------------------------------------------------------------------------------------------ phases
-    def _draft(self, requests: list[Request]) -> list[DraftBlock | None]:
+    def _draft(self, requests: list[Request], forced: torch.Tensor | None = None) -> list[DraftBlock | None]:
         """A block of ``γ_r = min(γ, room − 1)`` drafts per request, all in one drafter pass
-        (:meth:`~dspark_hf.DSparkDrafter.draft_many` at the largest ``γ_r``, each block cut to its ``γ_r``);
-        ``None`` for a request without room (or without a drafter)."""
+        (:meth:`~dspark_hf.DSparkDrafter.draft_many` at the largest ``γ_r``, each block cut to its ``γ_r``; a request
+        alone may have its first drafts ``forced`` ``[k]``); ``None`` for a request without room (or drafter)."""
         gammas = [min(self.block_size, r.room - 1) if self.drafter is not None else 0 for r in requests]
         drafting = [r for r, g in zip(requests, gammas) if g > 0]
         if not drafting:
@@ -339,7 +297,7 @@ class ConcurrentDecoder:
         ids = [torch.tensor([r.padding + r.ids]) for r in drafting] if self.processors is not None else None
         processors = [r.processors for r in drafting] if self.processors is not None else None
         blocks = iter(self.drafter.draft_many([r.context for r in drafting], [r.ids[-1] for r in drafting],
-                                              max(gammas), self.do_sample, processors, ids))
+                                              max(gammas), self.do_sample, processors, ids, forced_tokens=forced))
         return [next(blocks).prefix(g) if g > 0 else None for g in gammas]
 
     def _schedule(self, requests: list[Request], blocks, context: int, drafting: int) -> list[int]:
@@ -405,23 +363,3 @@ class ConcurrentDecoder:
         """Release a finished request and record its time in flight."""
         request.release()
         self.stats.request_s[request.index] = request.finished_s - request.added_s
-
-
-class RowOfBatch:
-    """A batch's logits processors seen from one of its rows. Some keep per-row state shaped by the batch
-    (transformers' repetition penalty keeps a ``prompt_ignore_length`` per row), so row ``row`` is run as row
-    ``row`` of a batch of ``rows`` copies of itself and only that row is returned.
-
-    Called as a processor: ``(input_ids [1, L], scores [1, V]) -> [1, V]``.
-    """
-
-    def __init__(self, processors, row: int, rows: int):
-        self.processors, self.row, self.rows = processors, row, rows
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        batch = self.processors(input_ids.expand(self.rows, -1), scores.expand(self.rows, -1).clone())
-        return batch[self.row:self.row + 1]
-
-    def __len__(self) -> int:
-        return len(self.processors)
-

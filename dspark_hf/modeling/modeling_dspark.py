@@ -360,7 +360,7 @@ class DSparkDrafter(PreTrainedModel):
     @torch.no_grad()
     def draft_many(self, contexts: list[DraftContext], anchors: list[int], block_size: int | None = None,
                    do_sample=False, logits_processor=None, prefix_ids: list[torch.Tensor] | None = None,
-                   generator=None) -> list[DraftBlock]:
+                   generator=None, forced_tokens: torch.Tensor | None = None) -> list[DraftBlock]:
         """One block for each of ``R`` requests in ONE backbone pass (their contexts padded to the longest and
         masked), then each request's heads left to right as in :meth:`draft`.
 
@@ -368,17 +368,24 @@ class DSparkDrafter(PreTrainedModel):
             contexts / anchors: each request's context cache (non-empty) and anchor id.
             prefix_ids: each request's ``[1, L_r]`` ids when ``logits_processor`` is given.
             block_size / do_sample / logits_processor / generator: as :meth:`draft`.
+            forced_tokens: as :meth:`draft`, for one request only (``R = 1``: a request alone in flight).
 
         Returns:
             ``list[DraftBlock]``, one per request, as :meth:`draft` returns it.
+
+        Raises:
+            ValueError: ``forced_tokens`` with several requests, or leaving no position to draft.
         """
         gamma = block_size or self.config.block_size
+        if forced_tokens is not None and (len(contexts) != 1 or forced_tokens.numel() >= gamma):
+            raise ValueError(f"forced_tokens are for one request and must leave a position to draft: "
+                             f"{len(contexts)} requests, {forced_tokens.numel()} forced, block size {gamma}")
         device = self.context_proj.weight.device
         layers, mask = pad_contexts(contexts)
         anchor_t = torch.tensor(anchors, device=device)
         positions = torch.stack([torch.arange(c.length, c.length + gamma, device=device) for c in contexts])
         hidden = self.backbone(self.block_embeddings(anchor_t, gamma), positions, layers, context_mask=mask)
-        return sample_blocks(self, hidden, anchor_t, do_sample, logits_processor, prefix_ids, generator)
+        return sample_blocks(self, hidden, anchor_t, do_sample, logits_processor, prefix_ids, generator, forced_tokens)
 
 
 def _wire_package() -> None:

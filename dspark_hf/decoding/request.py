@@ -1,0 +1,90 @@
+"""One request of the concurrent engine (:class:`~dspark_hf.decoding.concurrent.ConcurrentDecoder`, issue #24): its
+tokens, target KV cache, drafter context, round planner and statistics (:class:`Request`), and a batch's logits
+processors seen from its row (:class:`RowOfBatch`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from ..runtime.ragged import RequestKV
+from .alone import AlonePlanner
+from .calibration import CorrectedCalibration, OnlineCorrection
+from .lookup_acceptance import lookup_prior
+from .stats import GenerationStats
+from .verification import POLICIES
+
+
+class Request:
+    """One request of a :class:`~dspark_hf.decoding.concurrent.ConcurrentDecoder`: its tokens, target KV cache, drafter context and statistics.
+
+    Attributes:
+        index: the order it was added in.
+        ids: prompt then generated token ids (host list; the last one is the anchor, not yet in the KV cache).
+        prompt_length: tokens of the prompt.
+        max_new_tokens: its token budget.
+        stats: per-round statistics (:class:`GenerationStats`; ``new_tokens`` counts its tokens).
+        planner / calibration: in the scheduled modes, its :class:`~dspark_hf.decoding.alone.AlonePlanner` (alone in
+            flight) and the confidences its ℓ is planned on (the drafter's STS, then the planner's online
+            correction); ``None`` otherwise.
+        done: finished (EOS, budget or stop); its caches are released.
+        added_s / finished_s: ``time.perf_counter()`` when it was added and when it finished (``None`` before).
+    """
+
+    def __init__(self, index: int, prompt: Sequence[int], max_new_tokens: int, num_layers: int, decoder,
+                 padding: Sequence[int] = ()):
+        """``decoder``: the engine it belongs to (its drafter, mode, sampling and lookup settings are read)."""
+        self.index = index
+        self.ids = [int(t) for t in prompt]
+        self.prompt_length = len(self.ids)
+        self.padding = [int(t) for t in padding]  # what logits processors and stop checks see before the prompt
+        self.max_new_tokens = max_new_tokens
+        self.kv: RequestKV | None = RequestKV(num_layers)
+        self.context = decoder.drafter.new_context() if decoder.drafter is not None else None
+        self.policy = POLICIES[decoder.mode]() if decoder.drafter is not None else None
+        scheduled = decoder.drafter is not None and self.policy.needs_calibration  # alone in flight, it plans rounds
+        calibration = decoder.drafter.calibration if scheduled else None
+        prior = (lambda: lookup_prior(decoder.drafter, decoder.do_sample)) if decoder.lookup else None
+        self.planner = AlonePlanner(calibration, OnlineCorrection(), prior) if scheduled else None
+        # its ℓ is planned on the estimates its planner's Θ reads: calibrated, then corrected online (built once)
+        self.calibration = CorrectedCalibration(calibration, self.planner.correction) if scheduled else None
+        self.pending: list[torch.Tensor] = []  # target features [1, n, m·d] not yet in the drafter's context
+        self.processors = None  # its logits processors (set by ConcurrentDecoder.add)
+        self.stats = GenerationStats(verification=decoder.mode if decoder.drafter is not None else "plain")
+        self.done = False
+        self.added_s, self.finished_s = time.perf_counter(), None
+
+    @property
+    def generated(self) -> list[int]:
+        return self.ids[self.prompt_length:]
+
+    @property
+    def room(self) -> int:
+        """Tokens it may still emit."""
+        return self.max_new_tokens - len(self.generated)
+
+    def release(self) -> None:
+        """Free its KV cache and drafter context (a finished request costs nothing)."""
+        self.kv, self.context, self.pending, self.done = None, None, [], True
+        self.finished_s = time.perf_counter()
+
+
+class RowOfBatch:
+    """A batch's logits processors seen from one of its rows. Some keep per-row state shaped by the batch
+    (transformers' repetition penalty keeps a ``prompt_ignore_length`` per row), so row ``row`` is run as row
+    ``row`` of a batch of ``rows`` copies of itself and only that row is returned.
+
+    Called as a processor: ``(input_ids [1, L], scores [1, V]) -> [1, V]``.
+    """
+
+    def __init__(self, processors, row: int, rows: int):
+        self.processors, self.row, self.rows = processors, row, rows
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        batch = self.processors(input_ids.expand(self.rows, -1), scores.expand(self.rows, -1).clone())
+        return batch[self.row:self.row + 1]
+
+    def __len__(self) -> int:
+        return len(self.processors)
