@@ -15,8 +15,9 @@ paper §3.2.2, with the planner's margin and probes):
 * ``"dspark"``: the drafter's block, ℓ by the verification mode (Algorithm 1, §5.2), at least one draft in a probe;
 * ``"target"``: the anchor alone (a plain decoding step).
 
-The rates are the engine's step costs at R = 1 (:meth:`~dspark_hf.decoding.batch_costs.StepCosts.rates`, without and
-with the drafter's pass), as the single path reads :meth:`~dspark_hf.SPSCurve.round_rates`. After verification the
+The rates are the engine's step costs at R = 1 (:meth:`~dspark_hf.decoding.batch_costs.StepCosts.alone_rates`,
+without and with the drafter's pass), the verification read as the single path reads it
+(:meth:`~dspark_hf.SPSCurve.round_ms`: the sizes the step can verify, concave majorant on a CPU). After verification the
 lookup estimate scores the continuation against the tokens the step produced (whatever was proposed) and the online
 correction hears from the drafter's own verified drafts after the forced ones
 (:meth:`~dspark_hf.decoding.calibration.OnlineCorrection.observe_round`, the single path's rule).
@@ -77,8 +78,9 @@ class AlonePlanner(RoundPlanner):
         max_tokens = min(MAX_BLOCK_SIZE, costs.sps.max_tokens - 1, room)
         self.match = find_continuation(ids, max_tokens) if self.acceptance is not None else None
         lookup = self.acceptance.conditionals(self.match) if self.match is not None else []
-        return self.choose(costs.rates(1, context), costs.rates(1, context, 1), gamma, lookup,
-                           self.match.tokens if self.match is not None else ())
+        sizes = max(gamma, len(lookup)) + 1  # the most a plan can verify (a hybrid's k lookup tokens count in γ)
+        return self.choose(costs.alone_rates(context, False, sizes), costs.alone_rates(context, True, sizes), gamma,
+                           lookup, self.match.tokens if self.match is not None else ())
 
     def observe_step(self, block: DraftBlock | None, forced: int, scheduled: int, produced: Sequence[int]) -> None:
         """After verification (every step, at any R): a block the drafter drafted (it has confidences; ``None`` or a

@@ -91,6 +91,17 @@ class StepCosts:
         extra = self._outside_ms(requests, drafting) / 1e3
         return [1.0 / (1.0 / s + extra) for s in self.sps.at(context)]
 
+    def alone_rates(self, context: int, drafting: bool, max_tokens: int) -> list[float]:
+        """:meth:`rates` of a request alone in flight verifying ``B = 1..max_tokens`` tokens, its verification read
+        as the single-request path reads it (:meth:`~dspark_hf.SPSCurve.round_ms`: the sizes it can verify, through
+        their concave majorant on a CPU curve), so both paths price a round alike.
+
+        Raises:
+            ValueError: ``max_tokens`` outside ``1..sps.max_tokens``.
+        """
+        extra = self._outside_ms(1, int(drafting))
+        return [1e3 / (ms + extra) for ms in self.sps.round_ms(context, max_tokens)]
+
 
 @dataclass
 class DraftGate:

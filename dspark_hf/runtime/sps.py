@@ -272,13 +272,21 @@ class SPSCurve:
         Raises:
             ValueError: ``max_tokens`` outside ``1..self.max_tokens``.
         """
+        extra = 1e-3 * (self.overhead_ms + (self.draft_ms if drafts else 0.0))
+        return [1.0 / (1e-3 * m + extra) for m in self.round_ms(context_len, max_tokens)]
+
+    def round_ms(self, context_len: int, max_tokens: int) -> list[float]:
+        """ms per verification of ``B = 1..max_tokens`` tokens as one request's round reads them
+        (:meth:`round_rates`; the concurrent engine's plan for a request alone in flight): the row at
+        ``context_len`` cut to the sizes the round can verify, through its :func:`concave_majorant` on a CPU curve.
+
+        Raises:
+            ValueError: ``max_tokens`` outside ``1..self.max_tokens``.
+        """
         if not 1 <= max_tokens <= self.max_tokens:
             raise ValueError(f"max_tokens must be in 1..{self.max_tokens} (the curve's B), got {max_tokens}.")
-        extra = 1e-3 * (self.overhead_ms + (self.draft_ms if drafts else 0.0))
-        ms = [1e3 / s for s in self.at(context_len)[:max_tokens]]  # per verification of B tokens
-        if self.device_type == "cpu":
-            ms = concave_majorant(ms)
-        return [1.0 / (1e-3 * m + extra) for m in ms]
+        ms = [1e3 / s for s in self.at(context_len)[:max_tokens]]
+        return concave_majorant(ms) if self.device_type == "cpu" else ms
 
     def smooth(self) -> SPSCurve:
         """Copy with every row made monotone non-increasing in ``B`` by a running minimum (paper §5.2:
