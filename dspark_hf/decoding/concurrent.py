@@ -244,7 +244,7 @@ class ConcurrentDecoder:
         self.stats.steps.append(step)
         if self.costs is not None and self.sps.online and requests and not fresh:
             self.sps.observe(verified, context, step.verify_ms / 1e3)  # the curve learns this B at the mean context
-        emitted, offset = {}, 0
+        emitted, offset, forced = {}, 0, len(plan.lookup_tokens) if plan else 0  # a request alone's lookup tokens
         for request, block, n, segment, cached in zip(requests, blocks, lengths, segments, contexts):
             m = len(segment)
             rows = self._process(request, request.padding + request.ids + segment[1:], logits[offset:offset + m],
@@ -254,7 +254,7 @@ class ConcurrentDecoder:
             tokens = accept_drafts(torch.tensor([request.ids]), drafts, draft_logits, rows, self.do_sample)
             accepted = len(tokens) - 1
             if request.planner is not None:  # what its next plans read (after this round)
-                request.planner.observe_step(block, len(plan.lookup_tokens) if plan else 0, n, tokens)
+                request.planner.observe_step(block, forced, n, tokens)
             request.kv.truncate(cached + 1 + accepted)  # the anchor and the accepted drafts stay (rollback)
             self._keep_features(request, hidden, offset, 1 + accepted)
             offset += m
@@ -264,7 +264,7 @@ class ConcurrentDecoder:
                 draft_tokens=block.tokens.tolist() if block is not None else [],
                 confidences=block.confidences.tolist() if block is not None and block.confidences is not None else [],
                 draft_ms=draft_ms / len(requests), verify_ms=step.verify_ms,
-                lookup=len(plan.lookup_tokens) if plan else 0))
+                lookup=forced))
             emitted[request.index] = out
         if requests and drafting == len(requests) and self.costs is not None:  # what the requests got
             self.gate.observe(len(requests), sum(len(emitted[r.index]) for r in requests), verified)
