@@ -7,7 +7,7 @@ against the enumerated law of each row's prompt), whatever the other rows do.
 
 import pytest
 import torch
-from conftest import CYCLE_INV, CYCLE_VOCAB, cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
+from conftest import CPU_MS, CYCLE_INV, CYCLE_VOCAB, cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
 from test_generation import LEAK_TOKEN, SV, chi_square, coin_flip_plan, cycle_prompt, exact_laws, sampling_drafter
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
@@ -544,12 +544,14 @@ def drafted_with_confidence(monkeypatch, drafter, confidence):
 def test_a_request_alone_in_flight_is_planned_as_the_single_request_path_plans(target, drafter, monkeypatch, mode):
     """R = 1 without prompt lookup: the single-request path's round planner decides whether a step drafts; the gate
     is never asked. Steps
-    cost 5 ms beyond the verification (65 ms at B = 1, 109 at B = 2), the drafter pass nothing, and every draft
-    carries confidence 0.1: DSpark's Θ(ℓ = 1) = 1.1 · 1000 / 114 = 9.6 against the target alone's 1000 / 70 = 14.3.
+    cost 5 ms beyond the verification (65 ms at B = 1, 80 at B = 2), the drafter pass nothing, and every draft
+    carries confidence 0.1: DSpark's Θ(ℓ = 1) = 1.1 · 1000 / 85 = 12.9 against the target alone's 1000 / 70 = 14.3.
     The first step drafts (no estimate yet; Algorithm 1 verifies none of it), then the target verifies alone and a
-    probe drafts once the estimate is 5 steps old, then 9 (the interval doubles); a probe verifies one draft, and the
-    online correction hears from each. The output is plain `generate`'s."""
-    curve = tiny_sps_curve()  # not the drafter's: a test before may have given it a curve profiled here
+    probe drafts once the estimate is older than its price allows: a probe loses 85 / 70 - 1.1 = 0.114 plain steps,
+    so it waits ceil(0.114 / 2 %) = 6 steps (more than the 4 of the interval), then 12 (the interval doubles; the
+    price, 6 after the correction's 0.1 expected, stays below); a probe verifies one draft, and the online
+    correction hears from each. The output is plain `generate`'s."""
+    curve = tiny_sps_curve([65, 80, *CPU_MS[2:]])  # not the drafter's: a test before may have given it a curve
     costs, gate = FrozenCosts(curve, overhead_ms={1: 5.0}), ScriptedGate()
     monkeypatch.setattr("dspark_hf.decoding.concurrent.learnt_costs", lambda *args: (costs, gate))
     drafted_with_confidence(monkeypatch, drafter, 0.1)
@@ -559,8 +561,8 @@ def test_a_request_alone_in_flight_is_planned_as_the_single_request_path_plans(t
         while decoder.active:
             decoder.step()
     steps = [s for s in decoder.stats.steps if not s.prefill]
-    assert [s.drafted for s in steps[:15]] == [1, 0, 0, 0, 0, 1] + [0] * 8 + [1]
-    assert [s.lengths for s in steps[:15] if s.drafted] == [[0], [1], [1]]
+    assert [s.drafted for s in steps[:21]] == [1] + [0] * 6 + [1] + [0] * 12 + [1]
+    assert [s.lengths for s in steps[:21] if s.drafted] == [[0], [1], [1]]
     assert gate.calls == 0
     assert request.planner.correction.expected == pytest.approx(0.2)  # two probes reached their one draft
     assert request.generated == plain(target, PROMPTS[2], max_new=30)

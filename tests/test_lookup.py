@@ -7,9 +7,9 @@ import torch
 from conftest import CYCLE, cycle_drafter, cycle_target, tiny_sps_curve
 
 from dspark_hf import SequentialTemperatureScaling
+from dspark_hf.decoding.batch_costs import LOSS_BOUND, MAX_PROBE_INTERVAL
 from dspark_hf.decoding.calibration import OnlineCorrection
 from dspark_hf.decoding.lookup import (
-    MAX_PROBE_INTERVAL,
     REFRESH_ROUNDS,
     LookupDrafting,
     LookupMatch,
@@ -198,15 +198,17 @@ def test_round_rates_add_the_costs_outside_the_verification():
 
 def test_a_stale_estimate_is_refreshed_by_drafting():
     """When the target alone wins, the DSpark estimate it was judged by ages; after REFRESH_ROUNDS rounds without a
-    drafted block the round drafts anyway (a function of the round count, never of a draft)."""
-    curve = tiny_sps_curve([65] + [130] * 8)
-    curve.draft_ms = 30.0
+    drafted block the round drafts anyway (a function of the round count, never of a draft). The probe is free here:
+    60 ms alone, 66 + 12 = 78 ms with the drafter's pass and one draft of c_1 = 0.3 (1.3 tokens in 1.3 plain rounds),
+    while the target alone still wins by the margin (Θ(ℓ = 1) = 1.3 / 78 ms = 1 / 60 ms)."""
+    curve = tiny_sps_curve([60, 66, 80, 90, 100, 110, 120, 130, 140])
+    curve.draft_ms = 12.0
     state = LookupDrafting(SequentialTemperatureScaling(temperatures=[1.0] * 4), curve, max_tokens=4)
-    state.observe_block(torch.tensor([0.2] * 4))
+    state.observe_block(torch.tensor([0.3] * 4))
     ids = torch.tensor([[1, 2, 3]])  # no lookup match
     sources = [state.plan(ids, 4, room=4).source for _ in range(REFRESH_ROUNDS + 1)]
     assert sources == ["target"] * REFRESH_ROUNDS + ["dspark"]
-    state.observe_block(torch.tensor([0.2] * 4))
+    state.observe_block(torch.tensor([0.3] * 4))
     assert state.plan(ids, 4, room=4).source == "target"
 
 
@@ -220,12 +222,28 @@ def test_a_proposal_must_beat_the_target_alone_by_the_margin():
     assert plan_round([0.2] * 4, None, rates, 4, margin=0.5)[0] == "dspark"  # no estimate yet: draft to get one
 
 
-def test_probes_back_off_until_dspark_wins_again():
-    """A probe is a "target" round turned into a DSpark round (that verifies a draft); each probe doubles the interval
-    (up to MAX_PROBE_INTERVAL), and a round that plans DSpark on its own merits brings it back to REFRESH_ROUNDS."""
-    curve = tiny_sps_curve([65] + [130] * 8)
-    curve.draft_ms = 30.0
-    state = LookupDrafting(SequentialTemperatureScaling(temperatures=[1.0] * 4), curve, max_tokens=4)
+@pytest.mark.parametrize(("confidence", "draft_ms", "factor", "wait", "probes"), [
+    (0.3, 12.0, 1.0, 4, [5, 9, 17, 33, 65, 65]),  # a probe loses 78 / 60 - 1.3 = 0: the intervals alone
+    (0.15, 12.0, 1.0, 8, [9, 17, 33, 65, 65, 65]),  # loses 1.3 - 1.15 = 0.15 plain rounds: ceil(0.15 / 0.02) = 8
+    (0.3, 12.0, 0.5, 8, [9, 17, 33, 65, 65, 65]),  # the same c_1 = 0.15 after the online correction
+    (0.15, 60.0, 1.0, 48, [49, 65, 65, 65, 65, 65]),  # 126 / 60 - 1.15 = 0.95: ceil(47.5) = 48 rounds
+    (0.15, 120.0, 1.0, 64, [65] * 6),  # 186 / 60 - 1.15 = 1.95: 98 rounds, capped at 64
+])
+def test_probes_are_spaced_by_their_price_and_back_off_until_dspark_wins_again(confidence, draft_ms, factor, wait,
+                                                                                probes):
+    """A probe is a "target" round turned into a DSpark round (that verifies a draft) once the estimate is older than
+    the probe's wait: the interval (REFRESH_ROUNDS at first), or more where the probe's expected loss, ``60 ms alone
+    against 66 ms + draft_ms`` for ``1 + c_1`` tokens, would exceed LOSS_BOUND = 2 % of the plain rounds it waits.
+    Each probe doubles the wait (up to MAX_PROBE_INTERVAL), and a round that plans DSpark on its own merits brings
+    the interval back to REFRESH_ROUNDS (the price still applies)."""
+    assert (REFRESH_ROUNDS, LOSS_BOUND, MAX_PROBE_INTERVAL) == (4, 0.02, 64)
+    curve = tiny_sps_curve([60, 66, 80, 90, 100, 110, 120, 130, 140])  # raw ms (no majorant: not a "cpu" curve)
+    curve.draft_ms = draft_ms
+    correction = OnlineCorrection(prior=1.0)
+    if factor != 1.0:
+        correction.observe([1.0], 0)  # f = (0 + 1) / (1 + 1)
+    assert correction.factor == factor
+    state = LookupDrafting(SequentialTemperatureScaling(temperatures=[1.0] * 4), curve, 4, correction)
     ids = torch.tensor([[1, 2, 3]])  # no lookup match
 
     def rounds_until_probe():
@@ -233,17 +251,19 @@ def test_probes_back_off_until_dspark_wins_again():
             plan = state.plan(ids, 4, room=4)
             if plan.probe:
                 assert plan.source == "dspark" and plan.length is None
-                state.observe_block(torch.tensor([0.2] * 4))
+                state.observe_block(torch.tensor([confidence] * 4))
                 return n
             assert plan.source == "target"
         raise AssertionError("no probe")
 
-    state.observe_block(torch.tensor([0.2] * 4))
-    assert (REFRESH_ROUNDS, MAX_PROBE_INTERVAL) == (4, 64)
-    assert [rounds_until_probe() for _ in range(6)] == [5, 9, 17, 33, 65, 65]  # older than 4, 8, ..., 64 rounds
+    state.observe_block(torch.tensor([confidence] * 4))
+    assert state.probe_wait(1000 / 60, 1000 / (66 + draft_ms)) == wait
+    assert [rounds_until_probe() for _ in range(6)] == probes
     state.observe_block(torch.tensor([0.99] * 4))  # a block worth its pass
     plan = state.plan(ids, 4, room=4)
     assert plan.source == "dspark" and not plan.probe and state.probe_interval == REFRESH_ROUNDS
+    state.observe_block(torch.tensor([confidence] * 4))
+    assert rounds_until_probe() == wait + 1
 
 
 def test_the_dspark_estimate_carries_the_online_correction():

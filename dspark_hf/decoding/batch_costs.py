@@ -25,7 +25,8 @@ ONLINE_WEIGHT = 0.2  # weight of a new observation in the running estimates
 MARGIN = 0.10  # by the model, a drafting step must promise this much more throughput than a plain one
 MEASURED_MARGIN = 0.05  # measured, drafting steps must reach this much more throughput than plain ones (noise)
 CONFIRM_STEPS = 2  # drafting steps in a row a re-measure runs before its measurement can restart drafting
-LOSS_BOUND = 0.02  # re-measures cost at most this share of the plain steps' time (unless the interval is at its cap)
+LOSS_BOUND = 0.02  # re-measures (and a request's probes, RoundPlanner.probe_wait) cost at most this share of the
+# plain steps' time (unless the interval is at its cap)
 MAX_PROBE_INTERVAL = 64  # plain steps between two re-measures, at most
 
 

@@ -16,11 +16,15 @@ bookkeeping every round, the drafter's pass only in rounds that draft):
 * ``"target"``: nothing drafted, the target verifies the anchor alone (a plain decoding step), when no draft is
   expected to repay its cost. Such rounds skip the drafter entirely (its context is caught up only when a round
   drafts again), so a stretch of them runs at the cost of plain decoding. The DSpark estimate they are judged by
-  is refreshed by a probe: after ``probe_interval`` rounds without a drafted block (:data:`REFRESH_ROUNDS` at first),
-  a round that would be ``"target"`` drafts a DSpark block and verifies at least its first draft (so the online
-  correction hears from the drafter). Each probe doubles the interval (up to :data:`MAX_PROBE_INTERVAL`); a round
-  that plans DSpark or a hybrid on its own merits resets it, so a prompt the drafter cannot follow loses at most
-  one drafter pass and one verified token per interval.
+  is refreshed by a probe: a round that would be ``"target"`` drafts a DSpark block and verifies at least its first
+  draft (so the online correction hears from the drafter) once the estimate is older than the probe's wait
+  (:meth:`RoundPlanner.probe_wait`): ``probe_interval`` rounds (:data:`REFRESH_ROUNDS` at first), or more where a
+  probe, priced by the round costs the plan reads, would lose more than
+  :data:`~dspark_hf.decoding.batch_costs.LOSS_BOUND` of the plain rounds it waits (as the concurrent engine spaces its
+  re-measures, :class:`~dspark_hf.decoding.batch_costs.DraftGate`). Each probe doubles the interval (up to
+  :data:`~dspark_hf.decoding.batch_costs.MAX_PROBE_INTERVAL`); a round that plans DSpark or a hybrid on its own merits
+  resets it, so a prompt the drafter cannot follow loses at most ``LOSS_BOUND`` of its plain rounds to probes (more
+  only where a probe costs more than ``LOSS_BOUND · MAX_PROBE_INTERVAL`` plain rounds).
 
 Survival estimates (``a_j = Π_{i<=j} c_i``):
 
@@ -49,12 +53,14 @@ stays exact. DSpark rounds keep their mode's own (non-anticipating) ℓ.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from .batch_costs import LOSS_BOUND, MAX_PROBE_INTERVAL
 from .calibration import OnlineCorrection
 from .lookup_acceptance import MAX_NGRAM, LookupAcceptance, LookupPrior
 from .scheduler import expected_throughputs
@@ -63,8 +69,7 @@ from .verification import POLICIES
 __all__ = ["LookupDrafting", "LookupMatch", "RoundPlan", "RoundPlanner", "find_continuation",
            "lookup_enabled", "lookup_missing", "one_hot_logits", "plan_round"]
 
-REFRESH_ROUNDS = 4  # a "target" round probes (drafts) once the last drafted block is this many rounds old
-MAX_PROBE_INTERVAL = 64  # failed probes double the interval up to this many rounds (a loss of ≲ 1 % on a CPU)
+REFRESH_ROUNDS = 4  # a "target" round probes (drafts) once the last drafted block is at least this many rounds old
 MARGIN = 0.05  # a proposal must beat the target alone by this share of Θ: the estimates behind Θ are noisy, and a
 # plan that only breaks even when they are right loses when they are a little optimistic
 SOURCES = ("dspark", "lookup", "hybrid", "target")
@@ -254,23 +259,45 @@ class RoundPlanner:
         self.correction = correction
         self.block_estimate: list[float] | None = None  # calibrated c' of the last drafted block (uncorrected)
         self.block_age = 0  # rounds planned since that block was drafted
-        self.probe_interval = REFRESH_ROUNDS  # rounds without a drafted block before a "target" round probes
+        self.probe_interval = REFRESH_ROUNDS  # the least rounds without a drafted block before a probe (probe_wait)
 
     def choose(self, rates: Sequence[float], draft_rates: Sequence[float], gamma: int, lookup: Sequence[float] = (),
                continuation: Sequence[int] = ()) -> RoundPlan:
         """The round's plan by :func:`plan_round` (``rates`` / ``draft_rates``: rounds per second verifying ``B``
         tokens without / with a drafter pass, index ``B - 1``; ``lookup``: the conditionals of the lookup
-        ``continuation``'s tokens), a ``"target"`` round turned into a probe once the estimate is
-        ``probe_interval`` rounds old."""
+        ``continuation``'s tokens), a ``"target"`` round turned into a probe once the estimate is older than
+        :meth:`probe_wait` rounds."""
         source, k, length, theta = plan_round(lookup, self.dspark_estimate(), rates, gamma, draft_rates, MARGIN)
         self.block_age += 1
-        probe = source == "target" and self.block_age > self.probe_interval
+        probe = False
+        if source == "target" and self.block_age > self.probe_interval:  # cheap test first: the wait is >= it
+            wait = self.probe_wait(rates[0], draft_rates[1])
+            probe = self.block_age > wait
         if probe:  # the estimate is stale: draft to refresh it, and wait twice as long for the next probe
             source, length = "dspark", None
-            self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+            self.probe_interval = min(2 * wait, MAX_PROBE_INTERVAL)
         elif source in ("dspark", "hybrid"):  # the drafter is worth its pass again
             self.probe_interval = REFRESH_ROUNDS
         return RoundPlan(source, tuple(continuation[:k]), length, theta, probe)
+
+    def probe_wait(self, rate: float, probe_rate: float) -> int:
+        """Rounds without a drafted block before a ``"target"`` round probes: :attr:`probe_interval`, or more where a
+        probe would lose more than :data:`~dspark_hf.decoding.batch_costs.LOSS_BOUND` of the plain rounds it waits
+        (``ceil(loss / LOSS_BOUND)``, the concurrent engine's re-measure rule), at most
+        :data:`~dspark_hf.decoding.batch_costs.MAX_PROBE_INTERVAL`.
+
+        A probe verifies the anchor and (at least) one draft after a drafter pass: it emits ``1 + c_1`` tokens in
+        expectation (``c_1``: the current DSpark estimate's first conditional, 0 before any block) in one round at
+        ``probe_rate``, where plain rounds at ``rate`` emit one each, so it loses ``rate / probe_rate - (1 + c_1)``
+        plain rounds (at least 0). A function of earlier rounds only (lossless).
+
+        Args:
+            rate: rounds per second of a round verifying the target's token alone (``B = 1``, no drafter pass).
+            probe_rate: rounds per second of a round that runs the drafter and verifies ``B = 2`` tokens.
+        """
+        estimate = self.dspark_estimate()
+        loss = max(0.0, rate / probe_rate - 1.0 - (estimate[0] if estimate else 0.0))  # plain rounds
+        return min(max(self.probe_interval, math.ceil(loss / LOSS_BOUND)), MAX_PROBE_INTERVAL)
 
     def dspark_estimate(self) -> list[float] | None:
         """The DSpark conditionals the next plan reads: the last block's calibrated ``c'`` with the current online
