@@ -880,7 +880,7 @@ def test_greedy_identical_through_plain_stretches(target, prompts, references, m
     (109 + 130) / 65 - 1.5 ≈ 2.2 plain rounds (calibrated c_1 ≈ 0.5), so at the shipped 2 % loss bound it would wait
     the cap of 64 rounds; the bound is raised to 25 % here (waits of ~9 rounds, then the doubling) so that 48 tokens
     hold several probes."""
-    monkeypatch.setattr("dspark_hf.decoding.lookup.LOSS_BOUND", 0.25)
+    monkeypatch.setattr("dspark_hf.decoding.batch_costs.LOSS_BOUND", 0.25)
     config = DSparkConfig.for_target(target, target_layer_ids=[0], num_hidden_layers=1, sequential_rank=8, mask_token_id=0)
     torch.manual_seed(9)
     drafter = DSparkDrafter(config).eval()

@@ -49,6 +49,13 @@ def _interpolate(table: dict[int, float], key: int, proportional: bool = False) 
     return table[lo] + (table[hi] - table[lo]) * (key - lo) / (hi - lo)
 
 
+def priced_wait(interval: int, loss: float) -> int:
+    """Plain steps (or rounds) to wait before a step that drafts only to measure the drafter again (the gate's
+    re-measure, a request's probe: :meth:`~dspark_hf.decoding.lookup.RoundPlanner.probe_wait`): ``interval``, or
+    more where that step's ``loss`` (in plain steps, ``>= 0``) would exceed :data:`LOSS_BOUND` of the steps waited,
+    at most :data:`MAX_PROBE_INTERVAL`."""
+    return min(max(interval, math.ceil(loss / LOSS_BOUND)), MAX_PROBE_INTERVAL)
+
 @dataclass
 class StepCosts:
     """The step-time model above.
@@ -177,8 +184,7 @@ class DraftGate:
         self.plain_steps[requests] = self.plain_steps.get(requests, 0) + 1
         wait = self.interval.get(requests, 1)
         if self.plain_steps[requests] >= wait:  # time to re-measure, unless that would cost more than LOSS_BOUND
-            wait = max(wait, math.ceil(self.remeasure_cost(costs, requests, context) / LOSS_BOUND))
-        wait = min(wait, MAX_PROBE_INTERVAL)
+            wait = priced_wait(wait, self.remeasure_cost(costs, requests, context))
         if self.plain_steps[requests] < wait:
             return False
         self.plain_steps[requests] = 0

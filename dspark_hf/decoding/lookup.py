@@ -53,14 +53,13 @@ stays exact. DSpark rounds keep their mode's own (non-anticipating) ℓ.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .batch_costs import LOSS_BOUND, MAX_PROBE_INTERVAL
+from .batch_costs import MAX_PROBE_INTERVAL, priced_wait
 from .calibration import OnlineCorrection
 from .lookup_acceptance import MAX_NGRAM, LookupAcceptance, LookupPrior
 from .scheduler import expected_throughputs
@@ -283,7 +282,7 @@ class RoundPlanner:
     def probe_wait(self, rate: float, probe_rate: float) -> int:
         """Rounds without a drafted block before a ``"target"`` round probes: :attr:`probe_interval`, or more where a
         probe would lose more than :data:`~dspark_hf.decoding.batch_costs.LOSS_BOUND` of the plain rounds it waits
-        (``ceil(loss / LOSS_BOUND)``, the concurrent engine's re-measure rule), at most
+        (:func:`~dspark_hf.decoding.batch_costs.priced_wait`, the concurrent engine's re-measure rule), at most
         :data:`~dspark_hf.decoding.batch_costs.MAX_PROBE_INTERVAL`.
 
         A probe verifies the anchor and (at least) one draft after a drafter pass: it emits ``1 + c_1`` tokens in
@@ -297,7 +296,7 @@ class RoundPlanner:
         """
         estimate = self.dspark_estimate()
         loss = max(0.0, rate / probe_rate - 1.0 - (estimate[0] if estimate else 0.0))  # plain rounds
-        return min(max(self.probe_interval, math.ceil(loss / LOSS_BOUND)), MAX_PROBE_INTERVAL)
+        return priced_wait(self.probe_interval, loss)
 
     def dspark_estimate(self) -> list[float] | None:
         """The DSpark conditionals the next plan reads: the last block's calibrated ``c'`` with the current online
