@@ -65,4 +65,4 @@ def test_paired_run_reports_the_median_adjacent_ratio_and_its_range(monkeypatch)
     assert result["settings"]["protocol"] == "paired"
     table = markdown(result)
     assert "| 1 | scheduler | 12.0 | 6.0 / 3.0 | 1.00 (0.90 / 1.20 / 1.25) | 1.200 (0.90-1.25); 1.200 |" in table
-    assert "plain ran 7 times" in table and "in the paired order below" in table
+    assert "plain ran 7 times" in table and "in the paired order below" in table and "run i over" not in table

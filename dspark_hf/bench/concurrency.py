@@ -214,7 +214,7 @@ LEGEND = (
     "shows its fastest run. "
     "**aggregate tok/s**: all tokens generated over the loop's wall time. **per-user median / p10**: each request's "
     "tokens over its own time in flight, median and 10th percentile over the requests. **× plain (per run)**: "
-    "aggregate tok/s over plain batched decoding's fastest run, then run i over plain's run i. **1+ℓ̄**: tokens "
+    "aggregate tok/s over plain batched decoding's fastest run, then {per_run}. **1+ℓ̄**: tokens "
     "verified per request and step (the anchor plus ℓ drafts; 1 = no drafts, paper Fig. 8). **τ**: tokens emitted "
     "per request and step, bonus token included. **rejected**: drafts verified but not accepted. **drafting "
     "steps**: steps in which the drafter ran, of all steps that advanced a running request. **step ms**: median "
@@ -226,7 +226,7 @@ PAIRED_LEGEND = (
     " Paired protocol (`--concurrency-paired`): at each R plain batched decoding ran before every other closed loop "
     "and once at the end, the other loops rotated each repetition, so plain ran {plain} times and the fastest-run "
     "columns compare an arm's best of {repeats} with plain's best of more. **× adjacent plain**: each run's "
-    "aggregate tok/s over the mean of the plain runs just before and just after it (the per-run list in × plain), "
+    "aggregate tok/s over the mean of the plain runs just before and just after it (the list in × plain), "
     "median over the {repeats} runs and (min-max); then the median of the same ratio for the per-user median tok/s. "
     "Read this column on a machine whose speed drifts: the pairs share their minutes."
 )
@@ -257,7 +257,9 @@ def markdown(result: dict) -> str:
     repeats = settings.get("repeats", REPEATS)
     legend = LEGEND.format(repeats=repeats, ks=", ".join(map(str, settings.get("fixed_ks", FIXED_KS))),
                            order="in the paired order below" if paired else
-                           "every other time in reverse order, so plain batched decoding runs first and last")
+                           "every other time in reverse order, so plain batched decoding runs first and last",
+                           per_run="each run over the plain runs adjacent to it (below)" if paired else
+                           "run i over plain's run i")
     if paired:
         plain = sum(loop == PLAIN for _, loop in schedule(
             _runs_of(settings["arms"], settings["gamma"], settings["fixed_ks"]), repeats, True))
