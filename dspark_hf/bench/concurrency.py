@@ -17,10 +17,10 @@ reports its fastest run against plain's fastest: on a shared machine other load 
 baseline measured once, first, moved by 12 % between two runs. On a machine whose speed drifts from minute to
 minute even that moves (the 2-core EPYC: the same arm 0.87× then 1.02-1.18× plain), so the ``paired`` protocol
 (:func:`schedule`) runs plain before every other closed loop and once at the end, the others rotated, and reports
-each arm's median ratio to the plain runs just before and after it (:func:`adjacent_ratios`), with its range. Reported per (arm, R): aggregate tok/s, per-user
-tok/s (median and p10 over requests: a request's tokens over its time in flight), τ, the mean verification budget
-per request ``1 + ℓ̄``, verified-but-rejected drafts, the median absolute error of the predicted step time, and
-greedy mismatches against ``plain``.
+each arm's median ratio to the plain runs just before and after it (:func:`adjacent_ratios`), with its range.
+Reported per (arm, R): aggregate tok/s, per-user tok/s (median and p10 over requests: a request's tokens over its
+time in flight), τ, the mean verification budget per request ``1 + ℓ̄``, verified-but-rejected drafts, the median
+absolute error of the predicted step time, and greedy mismatches against ``plain``.
 """
 
 from __future__ import annotations
