@@ -231,8 +231,17 @@ def test_concurrency_repeats_reach_the_bench_and_zero_is_refused_before_loading(
     monkeypatch.setattr("dspark_hf.bench.loading.load_drafters", lambda *args: ({"dspark": None}, {}, []))
     monkeypatch.setattr("dspark_hf.bench.suites.suite_texts", lambda *args: {})
     monkeypatch.setattr("dspark_hf.bench.suites.encode_suites", lambda *args: ({"chat": [("a", [1, 2])]}, {}))
-    monkeypatch.setattr("dspark_hf.bench.concurrency.run_concurrency", lambda *args, repeats, **kwargs: seen.append(
-        repeats) or {"rows": [], "settings": {}})
+    monkeypatch.setattr("dspark_hf.bench.concurrency.run_concurrency", lambda *args, repeats, arms, paired, **kwargs:
+                        seen.append((repeats, arms, paired)) or {"rows": [], "settings": {}})
     cli.main(["bench", "--concurrency", "1", "--limit", "1"])
-    cli.main(["bench", "--concurrency", "1", "--limit", "1", "--concurrency-repeats", "3"])
-    assert seen == [2, 3]
+    cli.main(["bench", "--concurrency", "1", "--limit", "1", "--concurrency-repeats", "3", "--concurrency-arms",
+              "plain,async", "--concurrency-paired"])
+    assert seen == [(2, ("plain", "fixed", "best_fixed", "threshold", "scheduler", "async"), False),
+                    (3, ("plain", "async"), True)]
+
+
+@pytest.mark.parametrize(("arms", "message"), [("plain,sched", "unknown arms"),
+                                               ("scheduler,async", "needs plain and another arm")])
+def test_concurrency_arms_are_checked_before_loading(no_loading, arms, message):
+    with pytest.raises(SystemExit, match=message):
+        cli.main(["bench", "--concurrency", "1", "--concurrency-arms", arms, "--concurrency-paired"])

@@ -48,10 +48,11 @@ class ScriptedGate(DraftGate):
 
     def __init__(self):
         super().__init__()
-        self.calls = 0
+        self.calls, self.catch_ups = 0, []
 
-    def drafts(self, costs, requests, context):
+    def drafts(self, costs, requests, context, catch_up=0):
         self.calls += 1
+        self.catch_ups.append(catch_up)
         return self.calls % 3 != 0
 
 
@@ -496,6 +497,27 @@ def test_draft_gate_backs_off_so_re_measures_cost_at_most_the_loss_bound():
     assert gate.drafting_rate == {4: 0.04} and gate.plain_rate == {4: 0.05} and gate.streak == {4: 1}
 
 
+def test_a_re_measure_is_priced_with_the_catch_up_it_would_run_first():
+    """The drafter's contexts catch up 4 tokens per plain step (R = 4); at 0.3 ms a token a re-measure after k plain
+    steps costs 1/12 + 1.2 k / 120 plain steps: ⌈(1/12 + 0.01 k) / 0.02⌉ ≤ k first at k = 9 (5 without the
+    catch-up); at 0.6 ms a token the catch-up alone is 2 % a step, so only the cap (64) bounds the wait."""
+    costs = StepCosts(tiny_sps_curve())
+    costs.observe(4, overhead_ms=5.0, draft_ms=20.0)  # plain step 120 ms, drafting step 160 ms (as above)
+    costs.observe_catch_up(4, ms=0.0, tokens=0)  # nothing caught up: nothing learnt
+    assert costs.catch_up_ms == {} and costs.catch_up(4, 40) == 0.0
+    costs.observe_catch_up(4, ms=24.0, tokens=40)  # 0.6 ms a token
+    costs.observe_catch_up(4, ms=6.0, tokens=40)  # running estimate: 0.8 · 0.6 + 0.2 · 0.15 = 0.51
+    assert costs.catch_up_ms == {4: pytest.approx(0.51)} and costs.catch_up(8, 10) == pytest.approx(5.1)
+    for per_token, first in ((0.3, 9), (0.6, 64)):
+        costs.catch_up_ms = {4: per_token}
+        gate = DraftGate()
+        gate.observe(4, emitted=5, verified=8)  # model ratio 0.9375: 1/12 plain step beyond plain decoding
+        gate.observe_step(4, 0, emitted=4, step_ms=80.0)
+        assert gate.remeasure_cost(costs, 4, 0, catch_up=40) == pytest.approx(1 / 12 + 40 * per_token / 120)
+        decisions = [gate.drafts(costs, 4, 0, catch_up=4 * k) for k in range(1, 70)]
+        assert decisions.index(True) + 1 == first
+
+
 def test_draft_gate_needs_a_measured_margin_and_two_winning_steps_to_restart():
     costs = StepCosts(tiny_sps_curve())
     costs.observe(4, overhead_ms=5.0, draft_ms=20.0)
@@ -756,6 +778,21 @@ def test_requests_in_flight_together_plan_no_lookup(target, drafter, monkeypatch
     _, alone = generate_concurrent(target, drafter, prompts[:1], max_concurrency=1, max_new_tokens=12,
                                    verification="scheduler", lookup=False)
     assert all(r.lookup == 0 for r in alone[0].rounds)
+
+
+def test_the_gate_hears_what_a_drafting_step_would_catch_up_and_the_costs_learn_its_price(target, drafter,
+                                                                                          monkeypatch):
+    """The engine tells the gate the tokens a drafting step would first add to the drafter's contexts: both prompts
+    (the first drafting step), nothing after a drafting step (its own extension is drafting), and after a plain step
+    the features of the two steps since the last drafts; the cost model learns ms per such token at R = 2."""
+    costs, gate = FrozenCosts(tiny_sps_curve()), ScriptedGate()
+    monkeypatch.setattr("dspark_hf.decoding.concurrent.learnt_costs", lambda drafter, curve, settings: (costs, gate))
+    prompts = [cycle_prompt(torch.Generator().manual_seed(14))[0].tolist()] * 2
+    _, stats = generate_concurrent(target, drafter, prompts, max_concurrency=2, max_new_tokens=12,
+                                   verification="scheduler", eos_token_ids=())
+    second = stats.rows[0].rounds[1]  # the second step drafted, then a plain step (ScriptedGate: 2 of 3)
+    assert gate.catch_ups[:4] == [2 * len(prompts[0]), 0, 0, 2 * ((1 + second.accepted) + 1)]
+    assert list(costs.catch_up_ms) == [2] and costs.catch_up_ms[2] > 0
 
 
 def test_learnt_costs_carry_over_between_calls_with_the_same_settings(drafter):

@@ -14,10 +14,13 @@ prompts with at most R in flight, greedy, through each arm:
 Each closed loop runs once untimed first (warm-up; the scheduled modes load or profile their SPS curve there).
 At each R the arms run :data:`REPEATS` times, interleaved (the order reversed every other time), and each arm
 reports its fastest run against plain's fastest: on a shared machine other load only slows runs down, and a
-baseline measured once, first, moved by 12 % between two runs. Reported per (arm, R): aggregate tok/s, per-user
-tok/s (median and p10 over requests: a request's tokens over its time in flight), τ, the mean verification budget
-per request ``1 + ℓ̄``, verified-but-rejected drafts, the median absolute error of the predicted step time, and
-greedy mismatches against ``plain``.
+baseline measured once, first, moved by 12 % between two runs. On a machine whose speed drifts from minute to
+minute even that moves (the 2-core EPYC: the same arm 0.87× then 1.02-1.18× plain), so the ``paired`` protocol
+(:func:`schedule`) runs plain before every other closed loop and once at the end, the others rotated, and reports
+each arm's median ratio to the plain runs just before and after it (:func:`adjacent_ratios`), with its range.
+Reported per (arm, R): aggregate tok/s, per-user tok/s (median and p10 over requests: a request's tokens over its
+time in flight), τ, the mean verification budget per request ``1 + ℓ̄``, verified-but-rejected drafts, the median
+absolute error of the predicted step time, and greedy mismatches against ``plain``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pathlib import Path
 ARMS = ("plain", "fixed", "best_fixed", "threshold", "scheduler", "async")
 FIXED_KS = (1, 2, 3, 5, 7)
 REPEATS = 2  # closed loops per arm and R, interleaved with the other arms' (plain before and after them)
+PLAIN = ("plain", 0)  # plain batched decoding's closed loop, as (mode, γ)
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -82,14 +86,63 @@ def _runs_of(arms, gamma: int, fixed_ks) -> list[tuple[str, int]]:
     return runs
 
 
+def check_arms(arms, paired: bool = False) -> None:
+    """Raises ``ValueError`` for an arm outside :data:`ARMS`, and with ``paired`` for arms without plain or without
+    another arm (the paired protocol compares the others with plain)."""
+    unknown = set(arms) - set(ARMS)
+    if unknown:
+        raise ValueError(f"unknown arms {sorted(unknown)}; choose from {ARMS}.")
+    if paired and ("plain" not in arms or len(set(arms)) < 2):
+        raise ValueError(f"the paired protocol needs plain and another arm, got {list(arms)}.")
+
+
+def schedule(loops: list[tuple[str, int]], repeats: int, paired: bool = False) -> list[tuple[int, tuple[str, int]]]:
+    """The closed loops of one R in the order they run, as ``(repetition, (mode, γ))``.
+
+    By default every loop once per repetition, every other repetition in reverse order (plain first, then last).
+    ``paired``: :data:`PLAIN` before each other loop and once at the end (``P a P b P a ... P``), the other loops
+    rotated by one each repetition (``a b``, ``b a``, ...), so every run of an arm has a plain run just before and
+    just after it, whatever the machine's speed did in between (about twice the closed loops of the default; the
+    arms :func:`check_arms` accepts).
+    """
+    if not paired:
+        return [(i, loop) for i in range(repeats) for loop in (loops if i % 2 == 0 else loops[::-1])]
+    others = [loop for loop in loops if loop != PLAIN]
+    order = []
+    for i in range(repeats):
+        shift = i % len(others)
+        for loop in others[shift:] + others[:shift]:
+            order += [(i, PLAIN), (i, loop)]
+    return order + [(repeats - 1, PLAIN)]
+
+
+def adjacent_ratios(timeline: list[tuple[tuple[str, int], float]]) -> dict[tuple[str, int], list[float]]:
+    """Each run's value over the mean of the :data:`PLAIN` runs adjacent to it in time (the nearest one before and
+    the nearest one after; only one at an end), by loop in the order they ran; plain itself is left out.
+
+    Args:
+        timeline: ``(loop, value)`` of every run at one R in the order they ran (value: e.g. aggregate tok/s).
+    """
+    plain = [i for i, (loop, _) in enumerate(timeline) if loop == PLAIN]
+    ratios = {}
+    for i, (loop, value) in enumerate(timeline):
+        near = [j for j in plain if j < i][-1:] + [j for j in plain if j > i][:1]
+        if loop != PLAIN and near:
+            ratios.setdefault(loop, []).append(value / statistics.mean(timeline[j][1] for j in near))
+    return ratios
+
+
 def run_concurrency(target, drafter, prompts: list[list[int]], levels: list[int], max_new_tokens: int, gamma: int,
-                    arms=ARMS, log=print, fixed_ks=FIXED_KS, repeats: int = REPEATS) -> dict:
+                    arms=ARMS, log=print, fixed_ks=FIXED_KS, repeats: int = REPEATS, paired: bool = False) -> dict:
     """Every arm at every concurrency level; ``2·R`` prompts per level (prompts repeat if there are fewer).
 
     At each R the arms' closed loops run ``repeats`` times, interleaved, every other repetition in reverse order
     (plain first, then last, ...), so the baseline sees the same machine as the drafting arms; each arm's row is
     its fastest repetition (other load on the machine only slows a run down), ``speed_vs_plain`` its aggregate
-    tok/s over plain's fastest, ``speed_vs_plain_paired`` the same per repetition.
+    tok/s over plain's fastest, ``speed_vs_plain_paired`` the same per repetition. ``paired``: the runs follow
+    :func:`schedule`'s paired order instead, ``speed_vs_plain_paired`` is each run over the plain runs adjacent to
+    it (:func:`adjacent_ratios`), and ``paired_median`` / ``paired_range`` (``[min, max]``) summarise those ratios,
+    ``paired_median_per_user`` the same ratios of the per-user median tok/s (``None`` without ``paired``).
 
     Returns:
         ``{"rows": [...], "settings": {...}}`` with one row per (arm, R) as :func:`run_arm` makes it, plus
@@ -98,59 +151,70 @@ def run_concurrency(target, drafter, prompts: list[list[int]], levels: list[int]
         fastest fixed k at this R, ``fixed_ks`` the k tried) add ``k`` and ``tok_s_by_k``.
 
     Raises:
-        ValueError: no prompts, a level below 1, an unknown arm or ``repeats < 1``.
+        ValueError: no prompts, a level below 1, an unknown arm, ``repeats < 1``, or ``paired`` without plain and
+            another arm.
     """
     if not prompts:
         raise ValueError("the concurrency bench needs prompts.")
     if any(r < 1 for r in levels):
         raise ValueError(f"concurrency levels must be >= 1, got {levels}.")
-    unknown = set(arms) - set(ARMS)
-    if unknown:
-        raise ValueError(f"unknown arms {sorted(unknown)}; choose from {ARMS}.")
+    check_arms(arms, paired)
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}.")
     rows, loops = [], _runs_of(arms, gamma, fixed_ks)
+    order = schedule(loops, repeats, paired)
     for concurrency in levels:
         batch = [prompts[i % len(prompts)] for i in range(2 * concurrency)]
-        runs = {loop: [] for loop in loops}  # (mode, γ) -> [(row, outputs) per repetition]
-        for repetition in range(repeats):
-            for mode, k in loops if repetition % 2 == 0 else loops[::-1]:
-                row, outputs = run_arm(target, drafter, batch, concurrency, max_new_tokens, mode, k)
-                runs[mode, k].append((row, outputs))
-                log(f"R={concurrency} run {repetition + 1}/{repeats} {mode}{f' k={k}' if mode == 'fixed' else ''}: "
-                    f"{row['aggregate_tok_s']:.1f} tok/s, {row['drafting_steps']}/{row['steps']} drafting steps")
+        runs = {loop: [] for loop in loops}  # (mode, γ) -> [(row, outputs) per run]
+        timeline = []  # (loop, row) in the order they ran
+        for repetition, (mode, k) in order:
+            row, outputs = run_arm(target, drafter, batch, concurrency, max_new_tokens, mode, k)
+            runs[mode, k].append((row, outputs))
+            timeline.append(((mode, k), row))
+            log(f"R={concurrency} run {repetition + 1}/{repeats} {mode}{f' k={k}' if mode == 'fixed' else ''}: "
+                f"{row['aggregate_tok_s']:.1f} tok/s, {row['drafting_steps']}/{row['steps']} drafting steps")
+        adjacent = {key: adjacent_ratios([(loop, row[key]) for loop, row in timeline])
+                    for key in ("aggregate_tok_s", "per_user_tok_s_median")} if paired else None
         fastest = {loop: max(done, key=lambda run: run[0]["aggregate_tok_s"]) for loop, done in runs.items()}
-        plain_runs = runs.get(("plain", 0))
+        plain_runs = runs.get(PLAIN)
         for arm in arms:
             keys = [("fixed", k) for k in fixed_ks] if arm == "best_fixed" else [(arm, 0 if arm == "plain" else gamma)]
             best = max(keys, key=lambda loop: fastest[loop][0]["aggregate_tok_s"])
             row = {**fastest[best][0], "arm": arm, "tok_s_runs": [r["aggregate_tok_s"] for r, _ in runs[best]]}
             if arm == "best_fixed":
                 row.update(k=best[1], tok_s_by_k={str(k): fastest["fixed", k][0]["aggregate_tok_s"] for k in fixed_ks})
+            ratios = adjacent["aggregate_tok_s"].get(best) if adjacent else None
+            row.update(paired_median=statistics.median(ratios) if ratios else None,
+                       paired_range=[min(ratios), max(ratios)] if ratios else None,
+                       paired_median_per_user=statistics.median(adjacent["per_user_tok_s_median"][best])
+                       if ratios else None)
             if plain_runs is None:
                 row.update(mismatches=None, speed_vs_plain=None, speed_vs_plain_paired=None)
             else:
-                reference = fastest["plain", 0]
+                reference = fastest[PLAIN]
                 row["mismatches"] = sum(o != r for _, outputs in runs[best] for o, r in zip(outputs, reference[1]))
                 row["speed_vs_plain"] = row["aggregate_tok_s"] / reference[0]["aggregate_tok_s"]
-                row["speed_vs_plain_paired"] = [a / p for a, p in zip(row["tok_s_runs"], (
+                row["speed_vs_plain_paired"] = ratios if paired else [a / p for a, p in zip(row["tok_s_runs"], (
                     r["aggregate_tok_s"] for r, _ in plain_runs))]
             rows.append(row)
             log(f"R={concurrency} {arm:10s} {row['aggregate_tok_s']:6.1f} tok/s aggregate (fastest of {repeats}), "
                 f"{row['per_user_tok_s_median']:5.1f} per user, 1+ℓ̄ {row['verified_per_request']:.2f}, "
-                f"τ {row['tau']:.2f}, mismatches {row['mismatches']}")
+                f"τ {row['tau']:.2f}, mismatches {row['mismatches']}"
+                + (f", × adjacent plain median {row['paired_median']:.3f}" if ratios else ""))
     return {"rows": rows, "settings": {"levels": list(levels), "max_new_tokens": max_new_tokens, "gamma": gamma,
                                        "arms": list(arms), "fixed_ks": list(fixed_ks), "prompts_per_level": "2·R",
-                                       "repeats": repeats, "reported": "fastest repetition per arm, interleaved"}}
+                                       "repeats": repeats, "protocol": "paired" if paired else "interleaved",
+                                       "reported": "fastest repetition per arm, interleaved"
+                                       + ("; median ratio to the adjacent plain runs" if paired else "")}}
 
 
 LEGEND = (
     "Each row is one arm at one concurrency R: a closed loop serving 2·R prompts with at most R in flight, greedy, "
-    "prefill included; every arm ran {repeats} times per R, interleaved with the other arms (every other time in "
-    "reverse order, so plain batched decoding runs first and last), and the row shows its fastest run. "
+    "prefill included; every arm ran {repeats} times per R, interleaved with the other arms ({order}), and the row "
+    "shows its fastest run. "
     "**aggregate tok/s**: all tokens generated over the loop's wall time. **per-user median / p10**: each request's "
     "tokens over its own time in flight, median and 10th percentile over the requests. **× plain (per run)**: "
-    "aggregate tok/s over plain batched decoding's fastest run, then run i over plain's run i. **1+ℓ̄**: tokens "
+    "aggregate tok/s over plain batched decoding's fastest run, then {per_run}. **1+ℓ̄**: tokens "
     "verified per request and step (the anchor plus ℓ drafts; 1 = no drafts, paper Fig. 8). **τ**: tokens emitted "
     "per request and step, bonus token included. **rejected**: drafts verified but not accepted. **drafting "
     "steps**: steps in which the drafter ran, of all steps that advanced a running request. **step ms**: median "
@@ -158,25 +222,48 @@ LEGEND = (
     "(scheduled modes only). **mismatches**: requests whose greedy output differs from plain batched decoding's. "
     "`best_fixed` is the fastest fixed k of {ks} at this R (an oracle: each R picks its own k)."
 )
+PAIRED_LEGEND = (
+    " Paired protocol (`--concurrency-paired`): at each R plain batched decoding ran before every other closed loop "
+    "and once at the end, the other loops rotated each repetition, so plain ran {plain} times and the fastest-run "
+    "columns compare an arm's best of {repeats} with plain's best of more. **× adjacent plain**: each run's "
+    "aggregate tok/s over the mean of the plain runs just before and just after it (the list in × plain), "
+    "median over the {repeats} runs and (min-max); then the median of the same ratio for the per-user median tok/s. "
+    "Read this column on a machine whose speed drifts: the pairs share their minutes."
+)
 
 
 def markdown(result: dict) -> str:
-    """The table of :func:`run_concurrency` as Markdown (× plain: fastest over fastest, then run by run), then
-    :data:`LEGEND`, what each column means."""
-    lines = ["| R | arm | aggregate tok/s | per-user median / p10 | × plain (per run) | 1+ℓ̄ | τ | rejected | drafting steps "
-             "| step ms | pred. error | mismatches |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    """The table of :func:`run_concurrency` as Markdown (× plain: fastest over fastest, then run by run; with the
+    paired protocol a column × adjacent plain), then :data:`LEGEND` (and :data:`PAIRED_LEGEND`), what each column
+    means."""
+    settings = result["settings"]
+    paired = settings.get("protocol") == "paired"
+    lines = ["| R | arm | aggregate tok/s | per-user median / p10 | × plain (per run) |"
+             + (" × adjacent plain: median (range); per user |" if paired else "")
+             + " 1+ℓ̄ | τ | rejected | drafting steps | step ms | pred. error | mismatches |",
+             "|---|---|---|---|---|" + ("---|" if paired else "") + "---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         error = f"{100 * r['predicted_step_error_median']:.0f} %" if r["predicted_step_error_median"] is not None else "—"
         arm = f"best_fixed (k = {r['k']})" if r["arm"] == "best_fixed" else r["arm"]
-        paired = r.get("speed_vs_plain_paired") or []
-        speed = f"{r['speed_vs_plain']:.2f}" + (f" ({' / '.join(f'{x:.2f}' for x in paired)})" if len(paired) > 1 else "")
+        per_run = r.get("speed_vs_plain_paired") or []
+        speed = f"{r['speed_vs_plain']:.2f}" + (f" ({' / '.join(f'{x:.2f}' for x in per_run)})" if len(per_run) > 1 else "")
+        if paired:
+            speed += (f" | {r['paired_median']:.3f} ({r['paired_range'][0]:.2f}-{r['paired_range'][1]:.2f}); "
+                      f"{r['paired_median_per_user']:.3f}" if r.get("paired_median") is not None else " | —")
         lines.append(f"| {r['concurrency']} | {arm} | {r['aggregate_tok_s']:.1f} | "
                      f"{r['per_user_tok_s_median']:.1f} / {r['per_user_tok_s_p10']:.1f} | {speed} | "
                      f"{r['verified_per_request']:.2f} | {r['tau']:.2f} | {r['rejected_drafts']} | "
                      f"{r['drafting_steps']}/{r['steps']} | {r['step_ms_median']:.0f} | {error} | {r['mismatches']} |")
-    settings = result["settings"]
-    legend = LEGEND.format(repeats=settings.get("repeats", REPEATS),
-                           ks=", ".join(map(str, settings.get("fixed_ks", FIXED_KS))))
+    repeats = settings.get("repeats", REPEATS)
+    legend = LEGEND.format(repeats=repeats, ks=", ".join(map(str, settings.get("fixed_ks", FIXED_KS))),
+                           order="in the paired order below" if paired else
+                           "every other time in reverse order, so plain batched decoding runs first and last",
+                           per_run="each run over the plain runs adjacent to it (below)" if paired else
+                           "run i over plain's run i")
+    if paired:
+        plain = sum(loop == PLAIN for _, loop in schedule(
+            _runs_of(settings["arms"], settings["gamma"], settings["fixed_ks"]), repeats, True))
+        legend += PAIRED_LEGEND.format(repeats=repeats, plain=plain)
     return "\n".join(lines) + "\n\n" + legend + "\n"
 
 

@@ -46,6 +46,7 @@ def settings_from_args(args) -> tuple[BenchSettings, list[str]]:
 
 
 def run(args):
+    from ..bench.concurrency import check_arms
     from ..bench.loading import load_drafters, parse_drafters
     from ..bench.report import markdown_report, write_report
     from ..bench.runner import run_bench
@@ -55,6 +56,7 @@ def run(args):
     try:
         settings, notes = settings_from_args(args)
         spec = parse_drafters(args.drafters)
+        check_arms(args.concurrency_arms.split(","), args.concurrency_paired)  # --concurrency-arms
     except ValueError as err:  # before the target loads: a typo costs nothing
         sys.exit(f"dspark bench: {err}")
     if args.concurrency_repeats < 1:
@@ -102,8 +104,9 @@ def _run_concurrency(args, target, drafters, suites, settings):
     name, drafter = next(iter(drafters.items()))
     prompts = [ids for pairs in zip(*suites.values()) for _, ids in pairs] or next(iter(suites.values()))
     result = run_concurrency(target, drafter, [list(map(int, p)) for p in prompts], levels, settings.max_new_tokens,
-                             settings.gamma, log=lambda line: print(line, file=sys.stderr),
-                             repeats=args.concurrency_repeats)
+                             settings.gamma, arms=tuple(args.concurrency_arms.split(",")),
+                             log=lambda line: print(line, file=sys.stderr), repeats=args.concurrency_repeats,
+                             paired=args.concurrency_paired)
     result["settings"].update(drafter=name, command=shlex.join(["dspark", *sys.argv[1:]]))
     if args.out:
         paths = write(result, args.out)
@@ -116,7 +119,7 @@ def add_parser(sub):
     what to run on and where to write; a settings flag that is not given leaves the dataclass default."""
     from transformers import HfArgumentParser
 
-    from ..bench.concurrency import REPEATS
+    from ..bench.concurrency import ARMS, REPEATS
     from ..bench.settings import BenchSettings
     from ..bench.suites import OTHER_SUITES, SUITES
 
@@ -140,5 +143,12 @@ def add_parser(sub):
                                                        "(concurrency.json/.md and two PNGs in --out)")
     p.add_argument("--concurrency-repeats", type=int, default=REPEATS,
                    help=f"with --concurrency: timed closed loops per arm and R, interleaved, the fastest reported "
-                        f"(default {REPEATS})")
+                        f"(default {REPEATS}; 5 or more with --concurrency-paired)")
+    p.add_argument("--concurrency-arms", default=",".join(ARMS),
+                   help=f"with --concurrency: the arms to run, comma-separated (default {','.join(ARMS)})")
+    p.add_argument("--concurrency-paired", action="store_true",
+                   help="with --concurrency: run plain batched decoding before every other closed loop and once at the "
+                        "end, the others rotated each repetition, and report each arm's median ratio to the plain runs "
+                        "adjacent in time (and its range): the comparison a machine whose speed drifts from minute to "
+                        "minute still supports; about twice the closed loops (and time) of the default order")
     return p

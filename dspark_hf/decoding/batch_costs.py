@@ -10,6 +10,10 @@ made from it before anything is drafted (issue 24; paper §3.2.2's Θ = τ · SP
 * ``draft(R)``: the drafter's one pass for ``R`` requests, learnt online per ``R`` (interpolated between the ``R``
   seen, proportional to ``R`` beyond them), so a closed loop whose ``R`` changes needs no new full pass to learn it.
 
+A drafting step after plain ones also catches the drafter's contexts up (the features of the steps it did not draft
+in, a newcomer's prompt): not this step's price, so left out of ``draft(R)``, but what a step that drafts only to
+re-measure pays on top of it, so learnt too (``catch_up_ms``: per token caught up, by ``R``).
+
 On this CPU plain batched decoding of 8 requests already verifies 8 tokens per step, so under load the right
 answer is often "draft nothing": :class:`DraftGate` compares the expected throughput of a drafting step with that
 of a plain one, from the past only, so the decision never looks at this step's drafts (lossless).
@@ -63,17 +67,29 @@ class StepCosts:
     Attributes:
         sps: the target's SPS curve (``sps.at(context)[B - 1]`` steps/s for ``B`` tokens).
         overhead_ms / draft_ms: running estimates by number of requests ``R`` (ms).
+        catch_up_ms: running estimates by ``R`` of the drafter's context catch-up per token caught up (ms).
     """
 
     sps: object
     overhead_ms: dict[int, float] = field(default_factory=dict)
     draft_ms: dict[int, float] = field(default_factory=dict)
+    catch_up_ms: dict[int, float] = field(default_factory=dict)
 
     def observe(self, requests: int, overhead_ms: float, draft_ms: float | None = None) -> None:
         """Fold one step's measured overhead (and drafter pass, when it drafted) into the estimates for ``R``."""
         _blend(self.overhead_ms, requests, max(overhead_ms, 0.0))
         if draft_ms is not None:
             _blend(self.draft_ms, requests, draft_ms)
+
+    def observe_catch_up(self, requests: int, ms: float, tokens: int) -> None:
+        """Fold one step's catch-up at ``R`` (``tokens`` features of past steps and prompts joining the drafter's
+        contexts in ``ms``) into :attr:`catch_up_ms`; nothing for ``tokens = 0``."""
+        if tokens > 0:
+            _blend(self.catch_up_ms, requests, ms / tokens)
+
+    def catch_up(self, requests: int, tokens: int) -> float:
+        """Predicted ms of a catch-up of ``tokens`` at ``requests`` (0 before any catch-up was measured)."""
+        return _interpolate(self.catch_up_ms, requests) * tokens
 
     def verify_ms(self, tokens: int, context: int) -> float:
         """``1000 / SPS(B)`` at ``context`` (the curve's last entry, scaled by ``B``, past its end)."""
@@ -130,7 +146,8 @@ class DraftGate:
     goes on drafting while the checks favour it; ``interval`` returns to 1 only once :data:`CONFIRM_STEPS` drafting
     steps in a row won, so one lucky step does not restart the re-measures' clock). ``wait`` is ``interval(R)``, or
     more where a re-measure would otherwise cost more than :data:`LOSS_BOUND` of the plain steps' time
-    (:meth:`remeasure_cost` / ``LOSS_BOUND``), at most :data:`MAX_PROBE_INTERVAL`; each re-measure doubles it.
+    (:meth:`remeasure_cost` / ``LOSS_BOUND``, the catch-up it would run first included: it grows with the steps
+    waited), at most :data:`MAX_PROBE_INTERVAL`; each re-measure doubles it.
 
     One gate (with its :class:`StepCosts`) serves every call of a drafter with the same settings
     (:func:`learnt_costs`), so a call starts from what the previous ones learnt.
@@ -155,21 +172,24 @@ class DraftGate:
         return (_interpolate(self.tokens_per_request, requests) * costs.predict_ms(requests, requests, context)
                 / self._drafting_step_ms(costs, requests, context))
 
-    def remeasure_cost(self, costs: StepCosts, requests: int, context: int) -> float:
+    def remeasure_cost(self, costs: StepCosts, requests: int, context: int, catch_up: int = 0) -> float:
         """What one drafting step costs beyond plain decoding, in plain steps: ``time(draft) / time(plain) ·
-        (1 − rate ratio)``, the rate ratio measured at ``R`` when both rates are, else the model's (≥ 0)."""
+        (1 − rate ratio)``, the rate ratio measured at ``R`` when both rates are, else the model's (≥ 0), plus
+        the catch-up of ``catch_up`` tokens it would run first (:meth:`StepCosts.catch_up` over ``time(plain)``)."""
         measured = self.drafting_rate.get(requests), self.plain_rate.get(requests)
         ratio = measured[0] / measured[1] if None not in measured else self.model_ratio(costs, requests, context)
-        return (self._drafting_step_ms(costs, requests, context) / costs.predict_ms(requests, requests, context)
-                * max(0.0, 1.0 - ratio))
+        plain = costs.predict_ms(requests, requests, context)
+        return (self._drafting_step_ms(costs, requests, context) / plain * max(0.0, 1.0 - ratio)
+                + costs.catch_up(requests, catch_up) / plain)
 
     def _drafting_step_ms(self, costs: StepCosts, requests: int, context: int) -> float:
         """The model's time of a step where all ``requests`` draft and verify ``R · b̄`` tokens (ms)."""
         verified = max(requests, round(requests * _interpolate(self.verified_per_request, requests)))
         return costs.predict_ms(verified, requests, context, requests)
 
-    def drafts(self, costs: StepCosts, requests: int, context: int) -> bool:
-        """Whether the next step at ``requests`` drafts for all of them (``False``: a plain step)."""
+    def drafts(self, costs: StepCosts, requests: int, context: int, catch_up: int = 0) -> bool:
+        """Whether the next step at ``requests`` drafts for all of them (``False``: a plain step); ``catch_up``: the
+        tokens its drafter would catch up first (past steps' features and prompts not yet in the contexts)."""
         if not self.tokens_per_request or not costs.draft_ms:
             return True  # nothing known yet: draft, which measures it
         plain = self.plain_rate.get(requests)
@@ -184,7 +204,7 @@ class DraftGate:
         self.plain_steps[requests] = self.plain_steps.get(requests, 0) + 1
         wait = self.interval.get(requests, 1)
         if self.plain_steps[requests] >= wait:  # time to re-measure, unless that would cost more than LOSS_BOUND
-            wait = priced_wait(wait, self.remeasure_cost(costs, requests, context))
+            wait = priced_wait(wait, self.remeasure_cost(costs, requests, context, catch_up))
         if self.plain_steps[requests] < wait:
             return False
         self.plain_steps[requests] = 0

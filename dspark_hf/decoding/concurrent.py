@@ -111,7 +111,8 @@ class ConcurrentDecoder:
         self.sps = sps
         self.costs: StepCosts | None = None  # the scheduled modes' cost model and gate, from running()
         self.gate: DraftGate | None = None
-        self._extend_ms = 0.0  # the last drafting step's context catch-up (ms; StepStats.extend_ms)
+        self._extend_ms, self._extend_tokens = 0.0, 0  # the last drafting step's context catch-up (ms; StepStats
+        # .extend_ms) and the tokens it caught up
         self.requests: list[Request] = []
         self.stats = BatchStats()
         text = target.config.get_text_config(decoder=True)
@@ -198,6 +199,7 @@ class ConcurrentDecoder:
                                    step.draft_ms - step.extend_ms if step.drafted == step.requests else None)
                 self.gate.observe_step(step.requests, step.drafted, sum(map(len, emitted.values())),
                                        step.step_ms - step.extend_ms)
+                self.costs.observe_catch_up(step.requests, step.extend_ms, self._extend_tokens)
         return emitted
 
     def _round(self, requests: list[Request], fresh: list[Request]) -> dict[int, list[int]]:
@@ -217,8 +219,9 @@ class ConcurrentDecoder:
             alone = requests[0] if len(requests) == 1 and not fresh else None  # planned as one request's round
             plan = alone.planner.plan(alone.ids, self.costs, context, min(self.block_size, alone.room - 1),
                                       alone.room - 1) if alone else None
-            drafts = plan.source in DRAFTER_SOURCES if alone else not fresh and self.gate.drafts(self.costs, len(requests), context)
-        draft_start, self._extend_ms = time.perf_counter(), 0.0
+            drafts = plan.source in DRAFTER_SOURCES if alone else not fresh and self.gate.drafts(
+                self.costs, len(requests), context, sum(r.catch_up_tokens for r in requests))
+        draft_start, self._extend_ms, self._extend_tokens = time.perf_counter(), 0.0, 0
         blocks = self._draft(requests, forced_tokens(plan)) if drafts else [None] * len(requests)
         drafting = sum(b is not None for b in blocks)  # all, or fewer where requests have no room for drafts
         draft_ms = 1e3 * (time.perf_counter() - draft_start)
@@ -288,12 +291,12 @@ class ConcurrentDecoder:
             return [None] * len(requests)
         for request in drafting:  # the accepted positions' features join the context (paper Fig. 1)
             if request.pending:
-                # a catch-up: the prompt, or several steps' features (the request did not draft last step)
-                catch_up, start = len(request.pending) > 1 or request.context.length == 0, time.perf_counter()
+                catch_up, start = request.catch_up_tokens, time.perf_counter()
                 features = torch.cat(request.pending, dim=1) if len(request.pending) > 1 else request.pending[0]
                 self.drafter.extend_context(request.context, features.to(self.drafter.context_proj.weight.device))
                 request.pending = []
                 self._extend_ms += 1e3 * (time.perf_counter() - start) if catch_up else 0.0
+                self._extend_tokens += catch_up
         ids = [torch.tensor([r.padding + r.ids]) for r in drafting] if self.processors is not None else None
         processors = [r.processors for r in drafting] if self.processors is not None else None
         blocks = iter(self.drafter.draft_many([r.context for r in drafting], [r.ids[-1] for r in drafting],

@@ -65,6 +65,15 @@ class Request:
         """Tokens it may still emit."""
         return self.max_new_tokens - len(self.generated)
 
+    @property
+    def catch_up_tokens(self) -> int:
+        """Tokens its drafter context would catch up before its next drafts: its prompt, or the features of several
+        steps (it did not draft in the last ones); 0 when only the last step's features wait (a drafting request's
+        own extension, part of drafting) or without a drafter."""
+        if self.pending and (len(self.pending) > 1 or self.context.length == 0):
+            return sum(features.shape[1] for features in self.pending)
+        return 0
+
     def release(self) -> None:
         """Free its KV cache and drafter context (a finished request costs nothing)."""
         self.kv, self.context, self.pending, self.done = None, None, [], True

@@ -1,0 +1,68 @@
+"""The concurrency bench's paired protocol (issue 24): its order and its ratios on hand values, no model run."""
+
+import pytest
+
+from dspark_hf.bench import concurrency
+from dspark_hf.bench.concurrency import PLAIN, adjacent_ratios, check_arms, markdown, run_concurrency, schedule
+
+S, A = ("scheduler", 7), ("async", 7)
+
+
+def test_paired_schedule_puts_plain_around_every_run_and_rotates_the_others():
+    assert schedule([PLAIN, S, A], 3, paired=True) == [
+        (0, PLAIN), (0, S), (0, PLAIN), (0, A),
+        (1, PLAIN), (1, A), (1, PLAIN), (1, S),
+        (2, PLAIN), (2, S), (2, PLAIN), (2, A), (2, PLAIN)]
+    # the default order: every loop once per repetition, every other repetition reversed
+    assert schedule([PLAIN, S, A], 2) == [(0, PLAIN), (0, S), (0, A), (1, A), (1, S), (1, PLAIN)]
+
+
+def test_adjacent_ratios_divide_by_the_mean_of_the_plain_runs_before_and_after():
+    timeline = [(PLAIN, 10.0), (S, 11.0), (PLAIN, 12.0), (A, 9.0), (PLAIN, 8.0), (S, 6.0)]
+    assert adjacent_ratios(timeline) == {S: [pytest.approx(1.0), pytest.approx(0.75)],  # 11 / 11; 6 / 8 (an end)
+                                         A: [pytest.approx(0.9)]}  # 9 / 10
+    # the nearest plain runs, not the next runs: two arms between two plains share them
+    assert adjacent_ratios([(PLAIN, 4.0), (S, 5.0), (A, 3.0), (PLAIN, 6.0)]) == {S: [1.0], A: [0.6]}
+    assert adjacent_ratios([(S, 5.0)]) == {}  # no plain run: no ratio
+
+
+def test_check_arms_refuses_unknown_arms_and_a_paired_run_without_plain_or_another_arm():
+    check_arms(("plain", "scheduler"), paired=True)
+    check_arms(("scheduler",))  # without paired, plain may be left out
+    with pytest.raises(ValueError, match="unknown arms"):
+        check_arms(("plain", "sched"))
+    for arms in (("scheduler", "async"), ("plain",)):
+        with pytest.raises(ValueError, match="needs plain and another arm"):
+            check_arms(arms, paired=True)
+
+
+def test_paired_run_reports_the_median_adjacent_ratio_and_its_range(monkeypatch):
+    """Scripted tok/s per run (in the order the paired schedule runs them): the rows' paired medians and ranges."""
+    speeds = iter([10.0, 9.0, 10.0, 11.0, 12.0, 12.0, 12.0, 12.0, 8.0, 10.0, 8.0, 9.0, 8.0])  # P S P A P A P S P S P A P
+    # S: 9/10, 12/10, 10/8 -> median 1.2 (0.9-1.25); A: 11/11, 12/12, 9/8 -> median 1.0 (1.0-1.125)
+
+    def scripted(target, drafter, prompts, concurrency, max_new_tokens, mode, k):
+        tok_s = next(speeds)
+        row = {"arm": mode, "concurrency": concurrency, "requests": len(prompts), "aggregate_tok_s": tok_s,
+               "per_user_tok_s_median": tok_s / 2, "per_user_tok_s_p10": tok_s / 4, "tau": 1.0,
+               "verified_per_request": 1.0, "rejected_drafts": 0, "drafting_steps": 0, "steps": 1, "step_ms_median": 1.0,
+               "predicted_step_error_median": None}
+        return row, [[1, 2]] * len(prompts)
+
+    monkeypatch.setattr(concurrency, "run_arm", scripted)
+    lines = []
+    result = run_concurrency(None, None, [[1]], [1], 2, 7, arms=("plain", "scheduler", "async"), log=lines.append,
+                             repeats=3, paired=True)
+    assert [line.split(": ")[0] for line in lines if " run " in line][:4] == [
+        "R=1 run 1/3 plain", "R=1 run 1/3 scheduler", "R=1 run 1/3 plain", "R=1 run 1/3 async"]
+    plain, scheduler, async_ = result["rows"]
+    assert plain["paired_median"] is None and len(plain["tok_s_runs"]) == 7
+    assert scheduler["speed_vs_plain_paired"] == pytest.approx([0.9, 1.2, 1.25])
+    assert (scheduler["paired_median"], scheduler["paired_range"]) == (pytest.approx(1.2), pytest.approx([0.9, 1.25]))
+    assert (async_["paired_median"], async_["paired_range"]) == (pytest.approx(1.0), pytest.approx([1.0, 1.125]))
+    assert scheduler["paired_median_per_user"] == pytest.approx(1.2)  # per-user tok/s are half: the same ratios
+    assert scheduler["speed_vs_plain"] == pytest.approx(12 / 12)  # fastest over plain's fastest, as before
+    assert result["settings"]["protocol"] == "paired"
+    table = markdown(result)
+    assert "| 1 | scheduler | 12.0 | 6.0 / 3.0 | 1.00 (0.90 / 1.20 / 1.25) | 1.200 (0.90-1.25); 1.200 |" in table
+    assert "plain ran 7 times" in table and "in the paired order below" in table and "run i over" not in table
