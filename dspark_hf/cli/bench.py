@@ -56,7 +56,7 @@ def run(args):
     try:
         settings, notes = settings_from_args(args)
         spec = parse_drafters(args.drafters)
-        check_arms(args.concurrency_arms.split(","), args.concurrency_paired)  # --concurrency-arms
+        check_arms(args.concurrency_arms, args.concurrency_paired)  # --concurrency-arms
     except ValueError as err:  # before the target loads: a typo costs nothing
         sys.exit(f"dspark bench: {err}")
     if args.concurrency_repeats < 1:
@@ -104,7 +104,7 @@ def _run_concurrency(args, target, drafters, suites, settings):
     name, drafter = next(iter(drafters.items()))
     prompts = [ids for pairs in zip(*suites.values()) for _, ids in pairs] or next(iter(suites.values()))
     result = run_concurrency(target, drafter, [list(map(int, p)) for p in prompts], levels, settings.max_new_tokens,
-                             settings.gamma, arms=tuple(args.concurrency_arms.split(",")),
+                             settings.gamma, arms=args.concurrency_arms,
                              log=lambda line: print(line, file=sys.stderr), repeats=args.concurrency_repeats,
                              paired=args.concurrency_paired)
     result["settings"].update(drafter=name, command=shlex.join(["dspark", *sys.argv[1:]]))
@@ -144,7 +144,7 @@ def add_parser(sub):
     p.add_argument("--concurrency-repeats", type=int, default=REPEATS,
                    help=f"with --concurrency: timed closed loops per arm and R, interleaved, the fastest reported "
                         f"(default {REPEATS}; 5 or more with --concurrency-paired)")
-    p.add_argument("--concurrency-arms", default=",".join(ARMS),
+    p.add_argument("--concurrency-arms", default=ARMS, type=lambda text: tuple(text.split(",")),
                    help=f"with --concurrency: the arms to run, comma-separated (default {','.join(ARMS)})")
     p.add_argument("--concurrency-paired", action="store_true",
                    help="with --concurrency: run plain batched decoding before every other closed loop and once at the "

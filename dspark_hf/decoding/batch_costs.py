@@ -60,6 +60,7 @@ def priced_wait(interval: int, loss: float) -> int:
     at most :data:`MAX_PROBE_INTERVAL`."""
     return min(max(interval, math.ceil(loss / LOSS_BOUND)), MAX_PROBE_INTERVAL)
 
+
 @dataclass
 class StepCosts:
     """The step-time model above.
