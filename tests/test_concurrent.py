@@ -289,6 +289,39 @@ def test_finished_requests_release_their_caches(target, drafter):
     assert long.done and long.kv is None and len(long.generated) == 12 and len(short.generated) == 2
 
 
+
+class ShutGate(DraftGate):
+    """Never drafts: every step of two or more requests is plain, the drafter attached."""
+
+    def drafts(self, costs, requests, context, catch_up=0):
+        return False
+
+
+def test_queued_features_equal_the_targets_hidden_states_of_a_full_forward(target, drafter, monkeypatch):
+    """With the gate held shut each request queues one feature row per position it has run, from the step's
+    features shared by all its requests (a newcomer's prompt rides with the running requests' step): the queue
+    equals the drafter's context layers of one full target forward of its tokens (fp32, 1e-5), and the catch-up
+    the gate hears counts them."""
+    monkeypatch.setattr("dspark_hf.decoding.concurrent.learnt_costs", lambda drafter, curve, settings: (
+        StepCosts(curve), ShutGate()))
+    decoder = ConcurrentDecoder(target, drafter, verification="scheduler", max_requests=3, eos_token_ids=())
+    requests = [decoder.add(PROMPTS[2], 20), decoder.add(PROMPTS[0], 20)]
+    with decoder.running():
+        for step in range(6):
+            if step == 2:
+                requests.append(decoder.add(PROMPTS[3], 20))  # prefilled in the running requests' step
+            decoder.step()
+    assert [len(r.pending) for r in requests] == [6, 6, 4]
+    layers = [i + 1 for i in drafter.config.target_layer_ids]
+    for request in requests:
+        assert request.catch_up_tokens == len(request.ids) - 1
+        with torch.no_grad():
+            hidden = target(input_ids=torch.tensor([request.ids[:-1]]), output_hidden_states=True).hidden_states
+        queued = request.take_features()
+        torch.testing.assert_close(queued, torch.cat([hidden[i] for i in layers], -1), rtol=0, atol=1e-5)
+        assert request.pending == [] and request.catch_up_tokens == 0
+
+
 # -------------------------------------------------------------------------------------------- rollback
 def test_rollback_logits_equal_a_full_recompute():
     """Two requests verify drafts in one ragged forward, are rolled back to what was accepted, then step again:

@@ -240,7 +240,7 @@ class ConcurrentDecoder:
         predicted = 0.0
         if self.costs is not None and requests and not fresh:
             predicted = self.costs.predict_ms(verified, len(requests), context, drafting)
-        logits, hidden = self._forward(requests + fresh, segments + prompts, torch.cat([torch.arange(verified), ends]))
+        logits, features = self._forward(requests + fresh, segments + prompts, torch.cat([torch.arange(verified), ends]))
         step = StepStats(len(requests) + len(fresh), verified + sum(map(len, prompts)), not requests, list(lengths),
                          draft_ms, self._last_forward_ms, predicted_ms=predicted, drafted=drafting,
                          extend_ms=self._extend_ms, prefilled=len(fresh))
@@ -259,7 +259,8 @@ class ConcurrentDecoder:
             if request.planner is not None:  # what its next plans read (after this round)
                 request.planner.observe_step(block, forced, n, tokens)
             request.kv.truncate(cached + 1 + accepted)  # the anchor and the accepted drafts stay (rollback)
-            self._keep_features(request, hidden, offset, 1 + accepted)
+            if features is not None:  # the anchor's and the accepted drafts' features join its drafter's context
+                request.keep_features(features[:, offset:offset + 1 + accepted])
             offset += m
             out = self._emit(request, tokens)
             request.stats.rounds.append(RoundStats(
@@ -272,7 +273,8 @@ class ConcurrentDecoder:
         if requests and drafting == len(requests) and self.costs is not None:  # what the requests got
             self.gate.observe(len(requests), sum(len(emitted[r.index]) for r in requests), verified)
         for request, prompt, row in zip(fresh, prompts, range(verified, verified + len(fresh))):
-            self._keep_features(request, hidden, offset, len(prompt))
+            if features is not None:
+                request.keep_features(features[:, offset:offset + len(prompt)])
             offset += len(prompt)
             first = self._process(request, request.padding + request.ids, logits[row:row + 1])
             token = accept_drafts(torch.tensor([request.ids]), torch.empty(0, dtype=torch.long), None, first,
@@ -292,9 +294,8 @@ class ConcurrentDecoder:
         for request in drafting:  # the accepted positions' features join the context (paper Fig. 1)
             if request.pending:
                 catch_up, start = request.catch_up_tokens, time.perf_counter()
-                features = torch.cat(request.pending, dim=1) if len(request.pending) > 1 else request.pending[0]
+                features = request.take_features()
                 self.drafter.extend_context(request.context, features.to(self.drafter.context_proj.weight.device))
-                request.pending = []
                 self._extend_ms += 1e3 * (time.perf_counter() - start) if catch_up else 0.0
                 self._extend_tokens += catch_up
         ids = [torch.tensor([r.padding + r.ids]) for r in drafting] if self.processors is not None else None
@@ -327,14 +328,21 @@ class ConcurrentDecoder:
         return [min(n, b.tokens.numel()) if b is not None else 0 for n, b in zip(lengths, blocks)]
 
     def _forward(self, requests: list[Request], segments: list[list[int]], keep: torch.Tensor):
-        """One ragged target forward; returns ``(logits [K, V], hidden_states)`` and times it."""
+        """One ragged target forward, timed.
+
+        Returns:
+            ``(logits [K, V], features)``: ``features`` ``[1, B, m·d]`` the drafter's context layers of all ``B``
+            rows side by side, concatenated once for the step (each request keeps a view of its rows, so the step
+            costs one copy, not one per request), or ``None`` without a drafter.
+        """
         device = self.target.device
         ids = torch.tensor([[t for s in segments for t in s]], device=device)
         batch = RaggedBatch([r.kv for r in requests], [len(s) for s in segments])
         start = time.perf_counter()
         logits, hidden = ragged_forward(self.target, ids, batch, keep.to(device), self.hidden_layers)
         self._last_forward_ms = 1e3 * (time.perf_counter() - start)
-        return logits, hidden
+        features = torch.cat([hidden[i] for i in self.hidden_layers], -1) if self.drafter is not None else None
+        return logits, features
 
     def _process(self, request: Request, ids: list[int], logits: torch.Tensor, start: int | None = None):
         """Apply the request's logits processors to ``logits [m, V]``; row ``i`` follows ``ids[:start + i]``."""
@@ -343,11 +351,6 @@ class ConcurrentDecoder:
         start = len(ids) if start is None else start
         prefix = torch.tensor([ids], device=logits.device)
         return torch.cat([request.processors(prefix[:, :start + i], logits[i:i + 1]) for i in range(logits.shape[0])])
-
-    def _keep_features(self, request: Request, hidden, offset: int, n: int) -> None:
-        """Keep the target features ``[1, n, m·d]`` of the segment's first ``n`` rows for the drafter's context."""
-        if self.drafter is not None:
-            request.pending.append(torch.cat([hidden[i][:, offset:offset + n] for i in self.hidden_layers], -1))
 
     def _emit(self, request: Request, tokens: list[int]) -> list[int]:
         """Append ``tokens`` up to the budget, the first EOS or the first stop; finish and free the request there."""

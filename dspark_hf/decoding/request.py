@@ -51,6 +51,7 @@ class Request:
         # its ℓ is planned on the estimates its planner's Θ reads: calibrated, then corrected online (built once)
         self.calibration = CorrectedCalibration(calibration, self.planner.correction) if scheduled else None
         self.pending: list[torch.Tensor] = []  # target features [1, n, m·d] not yet in the drafter's context
+        self.pending_tokens = 0  # Σ n over pending (kept with it: the gate reads it every step)
         self.processors = None  # its logits processors (set by ConcurrentDecoder.add)
         self.stats = GenerationStats(verification=decoder.mode if decoder.drafter is not None else "plain")
         self.done = False
@@ -71,12 +72,29 @@ class Request:
         steps (it did not draft in the last ones); 0 when only the last step's features wait (a drafting request's
         own extension, part of drafting) or without a drafter."""
         if self.pending and (len(self.pending) > 1 or self.context.length == 0):
-            return sum(features.shape[1] for features in self.pending)
+            return self.pending_tokens
         return 0
+
+    def keep_features(self, features: torch.Tensor) -> None:
+        """Queue target features ``[1, n, m·d]`` of its accepted positions for its drafter's context."""
+        self.pending.append(features)
+        self.pending_tokens += features.shape[1]
+
+    def take_features(self) -> torch.Tensor:
+        """The queued features as one ``[1, Σn, m·d]`` tensor, in order; the queue is emptied.
+
+        Raises:
+            ValueError: nothing is queued.
+        """
+        if not self.pending:
+            raise ValueError("Request.take_features: no features are queued.")
+        features = torch.cat(self.pending, dim=1) if len(self.pending) > 1 else self.pending[0]
+        self.pending, self.pending_tokens = [], 0
+        return features
 
     def release(self) -> None:
         """Free its KV cache and drafter context (a finished request costs nothing)."""
-        self.kv, self.context, self.pending, self.done = None, None, [], True
+        self.kv, self.context, self.pending, self.pending_tokens, self.done = None, None, [], 0, True
         self.finished_s = time.perf_counter()
 
 
