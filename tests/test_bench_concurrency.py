@@ -41,7 +41,10 @@ def test_paired_run_reports_the_median_adjacent_ratio_and_its_range(monkeypatch)
     speeds = iter([10.0, 9.0, 10.0, 11.0, 12.0, 12.0, 12.0, 12.0, 8.0, 10.0, 8.0, 9.0, 8.0])  # P S P A P A P S P S P A P
     # S: 9/10, 12/10, 10/8 -> median 1.2 (0.9-1.25); A: 11/11, 12/12, 9/8 -> median 1.0 (1.0-1.125)
 
-    def scripted(target, drafter, prompts, concurrency, max_new_tokens, mode, k):
+    warm_ups = []
+
+    def scripted(target, drafter, prompts, concurrency, max_new_tokens, mode, k, warm_up_tokens):
+        warm_ups.append(warm_up_tokens)
         tok_s = next(speeds)
         row = {"arm": mode, "concurrency": concurrency, "requests": len(prompts), "aggregate_tok_s": tok_s,
                "per_user_tok_s_median": tok_s / 2, "per_user_tok_s_p10": tok_s / 4, "tau": 1.0,
@@ -55,6 +58,7 @@ def test_paired_run_reports_the_median_adjacent_ratio_and_its_range(monkeypatch)
                              repeats=3, paired=True)
     assert [line.split(": ")[0] for line in lines if " run " in line][:4] == [
         "R=1 run 1/3 plain", "R=1 run 1/3 scheduler", "R=1 run 1/3 plain", "R=1 run 1/3 async"]
+    assert warm_ups == [2, 2, 4, 2] + [4] * 9  # each loop's first run warms up to full length (the gate learns R)
     plain, scheduler, async_ = result["rows"]
     assert plain["paired_median"] is None and len(plain["tok_s_runs"]) == 7
     assert scheduler["speed_vs_plain_paired"] == pytest.approx([0.9, 1.2, 1.25])

@@ -11,7 +11,10 @@ prompts with at most R in flight, greedy, through each arm:
 * ``scheduler``: Algorithm 1 across the requests on the step cost model, with the draft-or-not gate;
 * ``async``: the §5.2 global search across the requests, with the gate.
 
-Each closed loop runs once untimed first (warm-up; the scheduled modes load or profile their SPS curve there).
+Each closed loop runs once untimed first (warm-up; the scheduled modes load or profile their SPS curve there);
+the first time a loop runs at an R its warm-up serves R prompts to full length, so the draft-or-not gate has
+learnt R's step costs (kept with the target across loops) before a timed loop: with a 4-token warm-up the first
+timed scheduler loop at R = 8 (2 threads) ran 12 drafting steps of 126 where later loops ran 2, at 0.89× plain.
 At each R the arms run :data:`REPEATS` times, interleaved (the order reversed every other time), and each arm
 reports its fastest run against plain's fastest: on a shared machine other load only slows runs down, and a
 baseline measured once, first, moved by 12 % between two runs. On a machine whose speed drifts from minute to
@@ -35,6 +38,7 @@ ARMS = ("plain", "fixed", "best_fixed", "threshold", "scheduler", "async")
 FIXED_KS = (1, 2, 3, 5, 7)
 REPEATS = 2  # closed loops per arm and R, interleaved with the other arms' (plain before and after them)
 PLAIN = ("plain", 0)  # plain batched decoding's closed loop, as (mode, γ)
+WARM_UP_TOKENS = 4  # new tokens per request of a warm-up after a loop's first at an R (the first runs to full length)
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -43,14 +47,15 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def run_arm(target, drafter, prompts: list[list[int]], concurrency: int, max_new_tokens: int, arm: str,
-            gamma: int) -> tuple[dict, list[list[int]]]:
-    """One timed closed loop of ``arm`` at ``concurrency`` (after an untimed warm-up); returns ``(row, outputs)``."""
+            gamma: int, warm_up_tokens: int = WARM_UP_TOKENS) -> tuple[dict, list[list[int]]]:
+    """One timed closed loop of ``arm`` at ``concurrency`` after an untimed warm-up (the first ``concurrency``
+    prompts, ``warm_up_tokens`` new tokens each); returns ``(row, outputs)``."""
     from ..decoding.batch_generate import generate_concurrent
 
     settings = {} if arm == "plain" else {"verification": arm, "block_size": gamma}
     model = None if arm == "plain" else drafter
-    generate_concurrent(target, model, prompts[:concurrency], max_concurrency=concurrency, max_new_tokens=4,
-                        **settings)
+    generate_concurrent(target, model, prompts[:concurrency], max_concurrency=concurrency,
+                        max_new_tokens=warm_up_tokens, **settings)
     start = time.perf_counter()
     outputs, stats = generate_concurrent(target, model, prompts, max_concurrency=concurrency,
                                          max_new_tokens=max_new_tokens, **settings)
@@ -139,10 +144,12 @@ def run_concurrency(target, drafter, prompts: list[list[int]], levels: list[int]
     At each R the arms' closed loops run ``repeats`` times, interleaved, every other repetition in reverse order
     (plain first, then last, ...), so the baseline sees the same machine as the drafting arms; each arm's row is
     its fastest repetition (other load on the machine only slows a run down), ``speed_vs_plain`` its aggregate
-    tok/s over plain's fastest, ``speed_vs_plain_paired`` the same per repetition. ``paired``: the runs follow
-    :func:`schedule`'s paired order instead, ``speed_vs_plain_paired`` is each run over the plain runs adjacent to
-    it (:func:`adjacent_ratios`), and ``paired_median`` / ``paired_range`` (``[min, max]``) summarise those ratios,
-    ``paired_median_per_user`` the same ratios of the per-user median tok/s (``None`` without ``paired``).
+    tok/s over plain's fastest, ``speed_vs_plain_paired`` the same per repetition; a loop's first run at an R warms
+    up to full length (``max_new_tokens``, the module docstring), later ones with :data:`WARM_UP_TOKENS`.
+    ``paired``: the runs follow :func:`schedule`'s paired order instead, ``speed_vs_plain_paired`` is each run over
+    the plain runs adjacent to it (:func:`adjacent_ratios`), and ``paired_median`` / ``paired_range``
+    (``[min, max]``) summarise those ratios, ``paired_median_per_user`` the same ratios of the per-user median tok/s
+    (``None`` without ``paired``).
 
     Returns:
         ``{"rows": [...], "settings": {...}}`` with one row per (arm, R) as :func:`run_arm` makes it, plus
@@ -168,7 +175,8 @@ def run_concurrency(target, drafter, prompts: list[list[int]], levels: list[int]
         runs = {loop: [] for loop in loops}  # (mode, γ) -> [(row, outputs) per run]
         timeline = []  # (loop, row) in the order they ran
         for repetition, (mode, k) in order:
-            row, outputs = run_arm(target, drafter, batch, concurrency, max_new_tokens, mode, k)
+            warm_up = WARM_UP_TOKENS if runs[mode, k] else max_new_tokens  # a loop's first run at R: a full warm-up
+            row, outputs = run_arm(target, drafter, batch, concurrency, max_new_tokens, mode, k, warm_up)
             runs[mode, k].append((row, outputs))
             timeline.append(((mode, k), row))
             log(f"R={concurrency} run {repetition + 1}/{repeats} {mode}{f' k={k}' if mode == 'fixed' else ''}: "
@@ -210,7 +218,9 @@ def run_concurrency(target, drafter, prompts: list[list[int]], levels: list[int]
 
 LEGEND = (
     "Each row is one arm at one concurrency R: a closed loop serving 2·R prompts with at most R in flight, greedy, "
-    "prefill included; every arm ran {repeats} times per R, interleaved with the other arms ({order}), and the row "
+    "prefill included, each after an untimed warm-up (R prompts; to full length before an arm's first run at an R, "
+    "so the draft-or-not gate has learnt R's step costs); every arm ran {repeats} times per R, interleaved with the "
+    "other arms ({order}), and the row "
     "shows its fastest run. "
     "**aggregate tok/s**: all tokens generated over the loop's wall time. **per-user median / p10**: each request's "
     "tokens over its own time in flight, median and 10th percentile over the requests. **× plain (per run)**: "
