@@ -56,6 +56,13 @@ class ScriptedGate(DraftGate):
         return self.calls % 3 != 0
 
 
+class ShutGate(DraftGate):
+    """Never drafts: every step of two or more requests is plain, the drafter attached."""
+
+    def drafts(self, costs, requests, context, catch_up=0):
+        return False
+
+
 @pytest.fixture(autouse=True)
 def fresh_lookup_prior(drafter):
     """Each test's requests start prompt lookup from Beta(1, 1), whatever the tests before them taught the drafter
@@ -287,14 +294,6 @@ def test_finished_requests_release_their_caches(target, drafter):
             if short.done:
                 assert short.kv is None and short.context is None
     assert long.done and long.kv is None and len(long.generated) == 12 and len(short.generated) == 2
-
-
-
-class ShutGate(DraftGate):
-    """Never drafts: every step of two or more requests is plain, the drafter attached."""
-
-    def drafts(self, costs, requests, context, catch_up=0):
-        return False
 
 
 def test_queued_features_equal_the_targets_hidden_states_of_a_full_forward(target, drafter, monkeypatch):
