@@ -6,6 +6,7 @@ Shared by ``dspark generate``, ``dspark calibrate`` (STS needs fixed-length roun
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -41,14 +42,21 @@ class Run:
 
 class ForwardClock:
     """Notes when each forward of ``model`` starts and ends (forward hooks, removed on exit), for
-    :attr:`Run.forward_ms` and :attr:`Run.step_ms`: two clock reads per forward, the same for every method timed."""
+    :attr:`Run.forward_ms` and :attr:`Run.step_ms`: two clock reads per forward, the same for every method timed.
+    Only the forwards of the thread that entered it count (another run may share the model:
+    :func:`~dspark_hf.bench.lockstep.run_lockstep`)."""
 
     def __init__(self, model: torch.nn.Module):
         self.model, self.starts, self.ends, self._handles = model, [], [], []
 
     def __enter__(self) -> ForwardClock:
-        self._handles = [self.model.register_forward_pre_hook(lambda *_: self.starts.append(time.perf_counter())),
-                         self.model.register_forward_hook(lambda *_: self.ends.append(time.perf_counter()))]
+        thread = threading.get_ident()
+
+        def note(times):
+            return lambda *_: times.append(time.perf_counter()) if threading.get_ident() == thread else None
+
+        self._handles = [self.model.register_forward_pre_hook(note(self.starts)),
+                         self.model.register_forward_hook(note(self.ends))]
         return self
 
     def __exit__(self, *exc) -> None:
