@@ -125,3 +125,18 @@ def test_a_failing_arm_raises_and_stops_the_others(target):
     assert len(count) <= 3  # stopped at its next forward, not run to the end
     assert not target._forward_pre_hooks and not [t for t in threading.enumerate() if t.name.startswith("lockstep")]
     run_lockstep(target, [forwards(target, 1)])  # the clock was restored: a new lockstep starts
+
+
+def test_concurrency_lockstep_pair_serves_what_each_loop_serves_alone(target, drafter):
+    """Plain batched decoding and the scheduler's closed loop (R = 2, 4 prompts) in lockstep: each loop's outputs are
+    its outputs alone, the row counts its own steps, and the target's attention is its own again afterwards."""
+    from dspark_hf.bench.concurrency import lockstep_pair
+    from dspark_hf.decoding.batch_generate import generate_concurrent
+
+    prompts = [[5, 9, 13], [7, 2, 30, 31, 8], [11], [40, 41]]
+    before = target.config._attn_implementation
+    alone = generate_concurrent(target, None, prompts, max_concurrency=2, max_new_tokens=10)[0]
+    (plain, plain_out), (row, out) = lockstep_pair(target, drafter, prompts, 2, 10, ("scheduler", 4), 3, 3, first=1)
+    assert plain_out == out == alone and plain["tokens"] == row["tokens"] == 40
+    assert plain["arm"] == "plain" and row["arm"] == "scheduler" and plain["steps"] >= row["steps"]
+    assert target.config._attn_implementation == before and not target._forward_pre_hooks
