@@ -97,18 +97,25 @@ def test_each_arm_is_timed_on_its_own_turns_only(target):
     assert clock.now == 154.0 and time.perf_counter is lockstep._REAL_CLOCK  # the real clock is back
 
 
-def test_torch_threads_in_every_arm_are_the_callers(target):
+def test_arms_run_in_the_callers_thread_at_its_torch_thread_count(target):
+    """One OS thread, so one OpenMP team (a worker thread's own team made every forward ~1.5x slower at 2 threads)."""
+    def arm():
+        target(torch.tensor([[1]]))
+        return threading.get_ident(), torch.get_num_threads(), torch.is_inference_mode_enabled()
+
     before = torch.get_num_threads()
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            assert run_lockstep(target, [forwards(target, 1), forwards(target, 1)]).threads == [threads, threads]
+            values = run_lockstep(target, [arm, arm]).values
+            assert values == [(threading.get_ident(), threads, True)] * 2
     finally:
         torch.set_num_threads(before)
+    assert not torch.is_inference_mode_enabled()  # only inside the lockstep
 
 
 def test_a_failing_arm_raises_and_stops_the_others(target):
-    count = []
+    count, unwound = [], []
 
     def fails():
         target(torch.tensor([[1]]))
@@ -116,14 +123,17 @@ def test_a_failing_arm_raises_and_stops_the_others(target):
         raise KeyError("arm 1 failed")
 
     def long_arm():
-        for _ in range(100):
-            target(torch.tensor([[1]]))
-            count.append(1)
+        try:
+            for _ in range(100):
+                target(torch.tensor([[1]]))
+                count.append(1)
+        finally:
+            unwound.append(True)
 
     with pytest.raises(KeyError, match="arm 1 failed"):
         run_lockstep(target, [long_arm, fails])
-    assert len(count) <= 3  # stopped at its next forward, not run to the end
-    assert not target._forward_pre_hooks and not [t for t in threading.enumerate() if t.name.startswith("lockstep")]
+    assert len(count) == 2 and unwound == [True]  # stopped at its next forward and unwound, not run to the end
+    assert not target._forward_pre_hooks
     run_lockstep(target, [forwards(target, 1)])  # the clock was restored: a new lockstep starts
 
 

@@ -3,27 +3,30 @@ machine's drift from minute to minute hits every arm alike (issues 24 and 28).
 
 Why: on a small shared VM the speed drifts 10-15 % between minutes, so two runs timed one after the other (even
 paired, plain before and after) differ by more than the few percent a bench has to resolve. In lockstep each arm runs
-in its own Python thread, and a forward pre-hook on the shared target passes a baton at every target forward: the
-arm about to run a forward hands the baton to the next unfinished arm and waits for it to come back. So only one
-arm computes at any moment, the arms advance a step each in turn (A, B, A, B, ...), and an arm that finishes drops
-out. An arm's time is the sum of the intervals during which it holds the baton: its target forwards and everything
-between them (drafter passes, scheduling, transformers' loop), never another arm's.
+as a greenlet (a coroutine with its own stack) in the caller's thread, and a forward pre-hook on the shared target
+passes a baton at every target forward: the arm about to run a forward switches back to :func:`run_lockstep`, which
+switches to the next unfinished arm. So only one arm computes at any moment, the arms advance a step each in turn
+(A, B, A, B, ...), and an arm that finishes drops out. An arm's time is the sum of the intervals during which it holds
+the baton: its target forwards and everything between them (drafter passes, scheduling, transformers' loop), never
+another arm's.
 
-The arms must not notice the others: the decoders learn online from ``time.perf_counter`` (the SPS curve's
-observed verify times, the draft-or-not gate's step costs, a round's overhead), and a wait inside one of their timed
-intervals would change what they decide. So while the lockstep runs, ``time.perf_counter`` read from an arm's thread
-is that arm's own clock, the real one minus the time it has spent waiting for the baton (other threads read the real
-clock). That is this module's one patch, installed and removed by :func:`run_lockstep`. Anything an arm times itself
-(``Run.seconds``, ``generate_concurrent``'s steps, per-user times) is then in its own seconds, as if it ran alone.
+Greenlets, not threads: torch's OpenMP keeps one thread team per OS thread, and with two teams on 2 cores (torch at 2
+threads) every parallel region paid a wake-up: a plain closed loop ran ~1.5× slower in a worker thread than in the
+main one (R = 1: 12.0 s against 7.6-8.1 s, the 2-core EPYC), alone or not. In one OS thread the arms share the
+caller's team and thread count. Torch's grad mode is per thread, so the arms run under ``torch.inference_mode()``,
+where their own ``no_grad`` / ``inference_mode`` blocks, entered and left out of order across arms, all mean the same.
 
-A lone arm's lockstep time is its plain wall time (the hook then returns at once). Every arm thread checks that
-torch runs at the caller's thread count (``torch.get_num_threads``). With more than one torch thread, every arm's
-thread has its own OpenMP team; a team that is not computing sleeps after its spin.
+The arms must not notice each other: the decoders learn online from ``time.perf_counter`` (the SPS curve's observed
+verify times, the draft-or-not gate's step costs, a round's overhead), and another arm's turn inside one of their
+timed intervals would change what they decide. So while the lockstep runs, ``time.perf_counter`` read by an arm is
+that arm's own clock, the real one minus the time it has spent waiting for the baton (elsewhere it is the real clock).
+That is this module's one patch, installed and removed by :func:`run_lockstep`. Anything an arm times itself
+(``Run.seconds``, ``generate_concurrent``'s steps, per-user times) is then in its own seconds, as if it ran alone;
+a lone arm's lockstep time is its wall time.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,10 +35,6 @@ from typing import Any
 import torch
 
 _REAL_CLOCK = time.perf_counter  # the process's clock, whatever run_lockstep has installed meanwhile
-
-
-class LockstepAborted(RuntimeError):
-    """Raised inside an arm when another arm of the same lockstep failed: the lockstep stops at the next forward."""
 
 
 @dataclass
@@ -49,71 +48,52 @@ class LockstepResult:
         forwards: target forwards each arm ran.
         order: the arm (index) of every target forward, in the order they ran: with two arms ``[a, b, a, b, ...]``
             until one finishes.
-        threads: ``torch.get_num_threads()`` in each arm's thread.
     """
 
     values: list[Any]
     seconds: list[float]
     forwards: list[int]
     order: list[int] = field(default_factory=list)
-    threads: list[int] = field(default_factory=list)
 
 
 class _Baton:
-    """The turn of :func:`run_lockstep`'s arms; every field is read and written under ``cond``."""
+    """The arms of one :func:`run_lockstep` and their clocks."""
 
-    def __init__(self, n: int, first: int, clock: Callable[[], float]):
-        self.cond, self.clock = threading.Condition(), clock
-        self.turn, self.done, self.aborted = first, [False] * n, False
-        self.held, self.waited, self.acquired = [0.0] * n, [0.0] * n, [0.0] * n
-        self.forwards, self.order, self.arm_of = [0] * n, [], {}  # arm_of: thread ident -> arm index
+    def __init__(self, arms: Sequence[Callable[[], Any]], clock: Callable[[], float]):
+        from greenlet import greenlet
 
-    def take(self, arm: int, since: float | None) -> None:
-        """Wait for ``arm``'s turn (``since``: when it handed the baton on, or ``None`` at its start); raises
-        :class:`LockstepAborted` when another arm failed."""
-        with self.cond:
-            self.cond.wait_for(lambda: self.turn == arm or self.aborted)
-            if self.aborted:
-                raise LockstepAborted("another arm of the lockstep failed")
-            self.acquired[arm] = self.clock()
-            if since is not None:
-                self.waited[arm] += self.acquired[arm] - since
-
-    def give(self, arm: int, finished: bool = False) -> float:
-        """End ``arm``'s turn and hand the baton to the next unfinished arm (``arm`` itself when it is the last);
-        returns when the turn ended."""
-        with self.cond:
-            now = self.clock()
-            if self.turn == arm:  # not so for an arm stopped by another's failure while it waited
-                self.held[arm] += now - self.acquired[arm]
-            self.done[arm] = self.done[arm] or finished
-            n = len(self.done)
-            self.turn = next(((arm + k) % n for k in range(1, n + 1) if not self.done[(arm + k) % n]), arm)
-            self.cond.notify_all()
-            return now
-
-    def abort(self) -> None:
-        with self.cond:
-            self.aborted = True
-            self.cond.notify_all()
+        self.clock, self.current = clock, greenlet.getcurrent
+        self.greenlets = [greenlet(arm) for arm in arms]
+        self.index = {g: i for i, g in enumerate(self.greenlets)}
+        n = len(arms)
+        self.held, self.waited, self.left = [0.0] * n, [0.0] * n, [None] * n  # left: when it last gave the baton
+        self.forwards, self.order = [0] * n, []
 
     def before_forward(self, module, args) -> None:
-        """The target's forward pre-hook: an arm's thread passes the baton on and waits for its next turn (other
-        threads' forwards pass through)."""
-        arm = self.arm_of.get(threading.get_ident())
+        """The target's forward pre-hook: an arm gives the baton back to :meth:`turn` (unless it runs alone)."""
+        arm = self.index.get(self.current())
         if arm is None:
             return
-        with self.cond:
-            alone = all(d for i, d in enumerate(self.done) if i != arm)
-        if not alone:
-            self.take(arm, self.give(arm))
-        with self.cond:
-            self.forwards[arm] += 1
-            self.order.append(arm)
+        if any(not g.dead for i, g in enumerate(self.greenlets) if i != arm):
+            self.current().parent.switch()
+        self.forwards[arm] += 1
+        self.order.append(arm)
+
+    def turn(self, arm: int) -> Any:
+        """Run ``arm`` up to its next target forward (or its end), on the clock; returns what the arm returned once
+        it has ended."""
+        start = self.clock()
+        if self.left[arm] is not None:
+            self.waited[arm] += start - self.left[arm]
+        try:
+            return self.greenlets[arm].switch()
+        finally:
+            self.left[arm] = self.clock()
+            self.held[arm] += self.left[arm] - start
 
     def own_clock(self) -> float:
-        """``time.perf_counter`` as the arms see it: an arm's thread reads the lockstep's clock minus its waits."""
-        arm = self.arm_of.get(threading.get_ident())
+        """``time.perf_counter`` as the arms see it: an arm reads the lockstep's clock minus its waits."""
+        arm = self.index.get(self.current())
         return _REAL_CLOCK() if arm is None else self.clock() - self.waited[arm]
 
 
@@ -124,8 +104,8 @@ def run_lockstep(target: torch.nn.Module, arms: Sequence[Callable[[], Any]], fir
 
     Args:
         target: the model whose forwards pass the baton (a forward pre-hook for the duration of the call).
-        arms: the runs; each runs in its own thread, holding the baton from its first turn to its first target
-            forward, then from each forward to the next, then to its return.
+        arms: the runs; each holds the baton from its first turn to its first target forward, then from each forward
+            to the next, then to its return.
         first: the arm that takes the first turn (the next ones follow in cyclic order): rotate it between calls so
             that no arm always starts.
         clock: the seconds clock the times are taken on (a fake one in tests).
@@ -134,45 +114,32 @@ def run_lockstep(target: torch.nn.Module, arms: Sequence[Callable[[], Any]], fir
         :class:`LockstepResult`.
 
     Raises:
-        the first exception an arm raised (the other arms stop at their next target forward).
-        RuntimeError: an arm's thread runs torch at a thread count other than the caller's, or a lockstep is already
-            running in this process.
+        the first exception an arm raised (the other arms are unwound first: their ``finally`` blocks and context
+            managers run).
+        RuntimeError: a lockstep is already running in this process.
         ValueError: no arms, or ``first`` out of range.
     """
     if not arms or not 0 <= first < len(arms):
         raise ValueError(f"run_lockstep needs arms and 0 <= first < {len(arms)}, got first = {first}.")
     if time.perf_counter is not _REAL_CLOCK:
         raise RuntimeError("a lockstep is already running in this process (time.perf_counter is patched).")
-    baton, threads, workers = _Baton(len(arms), first, clock), torch.get_num_threads(), []
-    values, errors, counts = [None] * len(arms), [], [0] * len(arms)
-
-    def work(arm: int) -> None:
-        baton.arm_of[threading.get_ident()] = arm
-        try:
-            baton.take(arm, None)
-            counts[arm] = torch.get_num_threads()
-            if counts[arm] != threads:
-                raise RuntimeError(f"torch runs {counts[arm]} threads in a lockstep arm, {threads} in its caller.")
-            values[arm] = arms[arm]()
-        except BaseException as error:  # re-raised by run_lockstep once every arm has stopped
-            with baton.cond:
-                errors.append(error)
-            baton.abort()
-        finally:
-            baton.give(arm, finished=True)
-
+    baton, n = _Baton(arms, clock), len(arms)
+    values = [None] * n
     handle = target.register_forward_pre_hook(baton.before_forward)
     time.perf_counter = baton.own_clock  # the arms' own clocks (module docstring)
     try:
-        workers = [threading.Thread(target=work, args=(arm,), name=f"lockstep-arm-{arm}") for arm in range(len(arms))]
-        for thread in workers:
-            thread.start()
-        for thread in workers:
-            thread.join()
+        with torch.inference_mode():
+            arm = first
+            while not all(g.dead for g in baton.greenlets):
+                if not baton.greenlets[arm].dead:
+                    value = baton.turn(arm)
+                    if baton.greenlets[arm].dead:
+                        values[arm] = value
+                arm = (arm + 1) % n
     finally:
+        for g in baton.greenlets:  # after a failure: unwind the others (GreenletExit at their switch)
+            if g:  # started and not dead
+                g.throw()
         time.perf_counter = _REAL_CLOCK
         handle.remove()
-    if errors:  # the failure itself, not the arms it stopped
-        raise next((e for e in errors if not isinstance(e, LockstepAborted)), errors[0])
-    return LockstepResult(values=values, seconds=list(baton.held), forwards=list(baton.forwards), order=baton.order,
-                          threads=counts)
+    return LockstepResult(values=values, seconds=list(baton.held), forwards=list(baton.forwards), order=baton.order)
