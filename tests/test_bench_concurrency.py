@@ -97,6 +97,7 @@ def test_lockstep_run_reports_each_arms_median_ratio_to_its_plain_partner(monkey
                      ("scheduler", 4, 4, 0), ("async", 4, 4, 1)]
     plain, scheduler, async_ = result["rows"]
     assert plain["paired_median"] is None and len(plain["tok_s_runs"]) == 6  # plain ran once per pair
+    assert scheduler["drafting_steps_runs"] == [0, 0, 0]
     assert scheduler["speed_vs_plain_paired"] == pytest.approx([0.9, 1.5, 1.25])
     assert (scheduler["paired_median"], scheduler["paired_range"]) == (pytest.approx(1.25), pytest.approx([0.9, 1.5]))
     assert (async_["paired_median"], async_["paired_range"]) == (pytest.approx(1.0), pytest.approx([0.9, 1.1]))

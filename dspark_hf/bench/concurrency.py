@@ -180,8 +180,9 @@ def run_concurrency(target, drafter, prompts: list[list[int]], levels: list[int]
 
     Returns:
         ``{"rows": [...], "settings": {...}}`` with one row per (arm, R) as :func:`run_arm` makes it, plus
-        ``tok_s_runs`` (aggregate tok/s of each repetition), ``speed_vs_plain``, ``speed_vs_plain_paired`` and
-        ``mismatches`` (greedy outputs of any repetition differing from ``plain``'s); ``best_fixed`` rows (the
+        ``tok_s_runs`` and ``drafting_steps_runs`` (aggregate tok/s and drafting steps of each repetition),
+        ``speed_vs_plain``, ``speed_vs_plain_paired`` and ``mismatches`` (greedy outputs of any repetition differing
+        from ``plain``'s); ``best_fixed`` rows (the
         fastest fixed k at this R, ``fixed_ks`` the k tried) add ``k`` and ``tok_s_by_k``.
 
     Raises:
@@ -231,7 +232,8 @@ def run_concurrency(target, drafter, prompts: list[list[int]], levels: list[int]
         for arm in arms:
             keys = [("fixed", k) for k in fixed_ks] if arm == "best_fixed" else [(arm, 0 if arm == "plain" else gamma)]
             best = max(keys, key=lambda loop: fastest[loop][0]["aggregate_tok_s"])
-            row = {**fastest[best][0], "arm": arm, "tok_s_runs": [r["aggregate_tok_s"] for r, _ in runs[best]]}
+            row = {**fastest[best][0], "arm": arm, "tok_s_runs": [r["aggregate_tok_s"] for r, _ in runs[best]],
+                   "drafting_steps_runs": [r["drafting_steps"] for r, _ in runs[best]]}
             if arm == "best_fixed":
                 row.update(k=best[1], tok_s_by_k={str(k): fastest["fixed", k][0]["aggregate_tok_s"] for k in fixed_ks})
             ratios = adjacent["aggregate_tok_s"].get(best) if adjacent else None
