@@ -6,10 +6,9 @@ import time
 
 import pytest
 import torch
-from conftest import cycle_drafter, cycle_target, tiny_sps_curve
+from conftest import cycle_target, scheduled_cycle_drafter
 
 import dspark_hf  # noqa: F401  (routes DSpark drafters through DSparkCandidateGenerator)
-from dspark_hf import SequentialTemperatureScaling
 from dspark_hf.bench import lockstep
 from dspark_hf.bench.lockstep import run_lockstep
 from dspark_hf.evaluation.runs import timed_generate
@@ -20,14 +19,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def target():
     return cycle_target(num_hidden_layers=2, alpha=0.026)
-
-
-@pytest.fixture(scope="module")
-def drafter(target):
-    drafter = cycle_drafter(target, block_size=4)
-    drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * 4)
-    drafter.set_sps_curve(tiny_sps_curve())
-    return drafter
 
 
 class ScriptedClock:
@@ -58,9 +49,10 @@ def forwards(target, n: int, clock: ScriptedClock | None = None, seconds: float 
     return arm
 
 
-def test_lockstep_runs_are_the_runs_alone(target, drafter):
+def test_lockstep_runs_are_the_runs_alone(target):
     """Plain generate and DSpark generate in lockstep: the same tokens as each alone, and each run's forward clock
     sees its own forwards only (the prefill, then one per step / round)."""
+    drafter = scheduled_cycle_drafter(target)
     prompt = [5, 9, 13, 2, 7]
     plain_alone = timed_generate(target, prompt, 24)
     dspark_alone = timed_generate(target, prompt, 24, drafter=drafter, dspark_verification="fixed")
@@ -137,12 +129,13 @@ def test_a_failing_arm_raises_and_stops_the_others(target):
     run_lockstep(target, [forwards(target, 1)])  # the clock was restored: a new lockstep starts
 
 
-def test_concurrency_lockstep_pair_serves_what_each_loop_serves_alone(target, drafter):
+def test_concurrency_lockstep_pair_serves_what_each_loop_serves_alone(target):
     """Plain batched decoding and the scheduler's closed loop (R = 2, 4 prompts) in lockstep: each loop's outputs are
     its outputs alone, the row counts its own steps, and the target's attention is its own again afterwards."""
     from dspark_hf.bench.concurrency import lockstep_pair
     from dspark_hf.decoding.batch_generate import generate_concurrent
 
+    drafter = scheduled_cycle_drafter(target)
     prompts = [[5, 9, 13], [7, 2, 30, 31, 8], [11], [40, 41]]
     before = target.config._attn_implementation
     alone = generate_concurrent(target, None, prompts, max_concurrency=2, max_new_tokens=10)[0]
