@@ -182,8 +182,8 @@ def run_concurrency(target, drafter, prompts: list[list[int]], levels: list[int]
         ``{"rows": [...], "settings": {...}}`` with one row per (arm, R) as :func:`run_arm` makes it, plus
         ``tok_s_runs`` and ``drafting_steps_runs`` (aggregate tok/s and drafting steps of each repetition),
         ``speed_vs_plain``, ``speed_vs_plain_paired`` and ``mismatches`` (greedy outputs of any repetition differing
-        from ``plain``'s); ``best_fixed`` rows (the
-        fastest fixed k at this R, ``fixed_ks`` the k tried) add ``k`` and ``tok_s_by_k``.
+        from ``plain``'s); ``best_fixed`` rows (the fastest fixed k at this R, ``fixed_ks`` the k tried) add ``k``
+        and ``tok_s_by_k``.
 
     Raises:
         ValueError: no prompts, a level below 1, an unknown arm, ``repeats < 1``, ``paired`` or ``lockstep``
