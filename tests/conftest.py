@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dspark_hf import DSparkConfig, DSparkDrafter, SPSCurve
+from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling, SPSCurve
 
 
 @pytest.fixture(scope="module")
@@ -137,4 +137,13 @@ def cycle_drafter(target, head="markov", beta=100.0, block_size=4, version=2, **
             drafter.confidence.proj.weight.zero_()
             drafter.confidence.proj.weight[0, d:] = 2.5 * torch.randn(v, generator=g)
             drafter.confidence.proj.weight[0, d:] += 1.0  # W1 rows are one-hot: +1 on every logit (v1 has no bias)
+    return drafter
+
+
+def scheduled_cycle_drafter(target, block_size=4) -> DSparkDrafter:
+    """``cycle_drafter`` (markov head) ready for the scheduled modes: STS at temperature 1 (the identity) and the
+    CPU-like SPS curve of :func:`tiny_sps_curve`."""
+    drafter = cycle_drafter(target, block_size=block_size)
+    drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * block_size)
+    drafter.set_sps_curve(tiny_sps_curve())
     return drafter

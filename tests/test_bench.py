@@ -307,6 +307,47 @@ def test_repeated_wall_clock_pass_reports_median_runs_and_checks_every_run():
     assert mismatches == [{"suite": "s", "prompt": "p0", "method": "m", "position": 2, "tokens": 3, "plain_tokens": 3}]
 
 
+def test_lockstep_wall_clock_pass_takes_each_prompts_speedup_from_its_pairs():
+    """--lockstep: each run of m beside a plain run of its own, the first turn alternating; m's speedup on the prompt is
+    the median of its pairs' ratios (2/1, 3/2, 1/2 -> 1.5), not its median run over plain's (1 s vs 2 s -> 2.0)."""
+    order = []
+    plain = _ScriptedMethod("plain", [([1, 2, 3], 2.0), ([1, 2, 3], 3.0), ([1, 2, 3], 1.0)], order)
+    m = _ScriptedMethod("m", [([1, 2, 3], 1.0), ([1, 2, 3], 2.0), ([1, 2, 3], 2.0)], order)
+    settings = bench.BenchSettings(repeats=3, warmup_tokens=0, lockstep=True)
+    records = wall_clock.wall_clock_pass(torch.nn.Identity(), {}, [plain, m], {"s": [("p0", [7, 8])]}, settings,
+                                         log=lambda *a: None)
+    assert order == ["plain", "m", "m", "plain", "plain", "m"]  # scripted runs run no forward: first turn first
+    assert [r.seconds for r in records["s"][0]["partners"]["m"]] == [2.0, 3.0, 1.0]
+    summary, mismatches = wall_clock.summarize_wall_clock(records, [plain, m], log=lambda *a: None)
+    row = summary["s"]["m"]["per_prompt"][0]
+    assert row["speedup_runs"] == pytest.approx([2.0, 1.5, 0.5]) and row["speedup"] == pytest.approx(1.5)
+    assert summary["s"]["m"]["min_speedup"] == pytest.approx(1.5) and summary["s"]["plain"]["min_speedup"] == 1.0
+    assert row["seconds"] == 2.0 and not mismatches  # the median run (of an even middle pair, the faster)
+    with pytest.raises(ValueError, match="pairs every method with plain"):
+        wall_clock.wall_clock_pass(torch.nn.Identity(), {}, [m, plain], {"s": [("p0", [7, 8])]}, settings)
+
+
+def test_lockstep_wall_clock_pass_on_a_model_matches_plain_generate():
+    """A tiny target and drafter in lockstep: every run's output is plain greedy's, each run counts its own forwards,
+    and the prompt's speedup is the median of its two pairs' ratios."""
+    target = tiny_llama(V, D, 2, intermediate_size=96, head_dim=16, max_position_embeddings=512)
+    drafters = {"dspark": tiny_drafter(target, "markov", True)}
+    methods = [bench.Method("plain"), bench.Method("dspark:fixed", "dspark", {"dspark_verification": "fixed",
+                                                                             "dspark_block_size": 3,
+                                                                             "dspark_lookup": False})]
+    settings = bench.BenchSettings(gamma=3, max_new_tokens=10, repeats=2, warmup_tokens=0, lockstep=True)
+    records = wall_clock.wall_clock_pass(target, drafters, methods, {"s": [("p0", [5, 6, 7, 8])]}, settings,
+                                         log=lambda *a: None)
+    record = records["s"][0]
+    alone = bench.Method("plain").run(target, [5, 6, 7, 8], 10, drafters).tokens
+    assert [r.tokens for r in record["repeats"]["plain"] + record["repeats"]["dspark:fixed"]] == [alone] * 4
+    assert all(len(r.forward_ms) == 10 for r in record["repeats"]["plain"])
+    assert all(len(r.forward_ms) == 1 + len(r.stats.rounds) for r in record["repeats"]["dspark:fixed"])
+    summary, mismatches = wall_clock.summarize_wall_clock(records, methods, log=lambda *a: None)
+    row = summary["s"]["dspark:fixed"]["per_prompt"][0]
+    assert not mismatches and row["speedup"] == pytest.approx(sum(row["speedup_runs"]) / 2)
+
+
 def test_pooled_tau_weights_prompts_by_rounds():
     rows = [{"tau": 2.0, "rounds": 10}, {"tau": 1.0, "rounds": 30}, {"tau": None, "rounds": None}]
     assert wall_clock.pooled_tau(rows) == pytest.approx((20 + 30) / 40)  # not the mean of per-prompt τ, 1.5

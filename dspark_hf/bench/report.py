@@ -132,6 +132,10 @@ def _wall_clock_section(result: BenchResult) -> list[str]:
     repeats = result.settings.repeats or 1
     runs = (f"; {repeats} runs of each per prompt, a prompt's figures are those of each method's median run by wall "
             "time" if repeats > 1 else "")
+    if result.settings.lockstep:
+        runs = (f"; each run of a method in lockstep with a plain `generate` of its own (one target forward of each "
+                f"in turn, each timed on its own turns: `--lockstep`), {repeats} such pair{'s' if repeats > 1 else ''} "
+                f"per prompt, a prompt's speedup the median of its pairs' ratios, its tok/s those of the median run")
     out = [f"## Wall clock (greedy; methods interleaved per prompt{runs})", "",
            f"Greedy outputs differing from plain `generate`: **{wall.mismatches_total}**", ""]
     for suite, per_method in wall.suites.items():

@@ -31,6 +31,11 @@ class BenchSettings:
     repeats: int = field(default=1, metadata={
         "help": "wall-clock runs of every method per prompt (passes 2 and 3), interleaved with the order rotated each "
                 "time; a prompt's time per method is the median of its runs (default 1)"})
+    lockstep: bool = field(default=False, metadata={
+        "help": "passes 2 and 3: run every method but plain in lockstep with a plain generate of the same prompt (one "
+                "target forward of each in turn, each timed on its own turns: dspark_hf.bench.lockstep), --repeats "
+                "such pairs per prompt; a prompt's speedup is the median of its pairs' ratios, so the machine's "
+                "drift from minute to minute hits both sides of each ratio (default: off, methods interleaved)"})
     floor_repeats: int = field(default=2, metadata={
         "help": "the floor pass (pass 4, the floor table): each prompt this many times with the default method's drafting forced "
                 "off, interleaved with plain generate (default 2; 0 skips it)"})

@@ -8,17 +8,19 @@ from collections.abc import Sequence
 from ..evaluation.runs import Run
 from .analysis import first_divergence, median
 from .loading import _log_default
-from .methods import Method, interleaved_runs, rounds_of
+from .methods import Method, interleaved_runs, lockstep_runs, rounds_of
 from .settings import BenchSettings
 
 
 def wall_clock_pass(target, drafters, methods: list[Method], suites, settings: BenchSettings, log=_log_default) -> dict:
     """Passes 2 and 3: every method on every prompt, interleaved (order rotated per run), greedy,
-    ``settings.repeats`` runs of each per prompt.
+    ``settings.repeats`` runs of each per prompt; with ``settings.lockstep`` every run of a method but plain
+    (``methods[0]``) in lockstep with a plain run of its own (:func:`~dspark_hf.bench.methods.lockstep_runs`).
 
     Returns:
         ``{suite: [{"id", "prompt_tokens", "runs": {method: Run}, "repeats": {method: [Run, ...]}}]}``: ``runs``
-        holds each method's median run by wall time (:func:`median_run`), ``repeats`` all of them in order.
+        holds each method's median run by wall time (:func:`median_run`), ``repeats`` all of them in order; in
+        lockstep a prompt also has ``"partners": {method: [plain Run, ...]}``, each run's plain partner.
     """
     first = next((p for prompts in suites.values() for p in prompts), None)
     if first is not None and settings.warmup_tokens > 0:  # allocator, kernels and lazy SPS profiling, untimed
@@ -29,13 +31,18 @@ def wall_clock_pass(target, drafters, methods: list[Method], suites, settings: B
     for suite, prompts in suites.items():
         out[suite] = []
         for index, (prompt_id, ids) in enumerate(prompts):
-            repeats, counter = interleaved_runs(target, ids, methods, settings.repeats, settings.max_new_tokens,
-                                                drafters, counter)
-            runs = {name: median_run(r) for name, r in repeats.items()}
-            plain = runs["plain"]
+            record = {"id": prompt_id, "prompt_tokens": len(ids)}
+            if settings.lockstep:
+                repeats, record["partners"], counter = lockstep_runs(target, ids, methods, settings.repeats,
+                                                                     settings.max_new_tokens, drafters, counter)
+            else:
+                repeats, counter = interleaved_runs(target, ids, methods, settings.repeats, settings.max_new_tokens,
+                                                    drafters, counter)
+            record.update(runs={name: median_run(r) for name, r in repeats.items()}, repeats=repeats)
+            plain = record["runs"]["plain"]
             log(f"[wall] {suite} {index + 1}/{len(prompts)}: plain {plain.tokens_per_s:.1f} tok/s; " + ", ".join(
-                f"{m.name} x{runs[m.name].tokens_per_s / plain.tokens_per_s:.2f}" for m in methods[1:]))
-            out[suite].append({"id": prompt_id, "prompt_tokens": len(ids), "runs": runs, "repeats": repeats})
+                f"{m.name} x{speedups(record, m.name)[0]:.2f}" for m in methods[1:]))
+            out[suite].append(record)
     return out
 
 
@@ -49,6 +56,21 @@ def median_run(runs: Sequence[Run]) -> Run:
     if not runs:
         raise ValueError("median_run needs at least one run")
     return sorted(runs, key=lambda r: r.seconds)[(len(runs) - 1) // 2]
+
+
+def speedups(record: dict, method: str) -> tuple[float, list[float]]:
+    """A method's speedup over plain on one prompt of :func:`wall_clock_pass`, and each run's.
+
+    Each run's speedup is its tok/s over its plain partner's in lockstep (``record["partners"]``), else over plain's
+    run of the same repeat; the prompt's speedup is the median of those ratios in lockstep (both sides of a ratio
+    shared the machine's minutes), else the median run's tok/s over plain's median run's.
+    """
+    runs = record["repeats"][method]
+    plain = record.get("partners", {}).get(method) or record["repeats"]["plain"]
+    ratios = [r.tokens_per_s / q.tokens_per_s for r, q in zip(runs, plain)]
+    if "partners" in record and method in record["partners"]:
+        return median(ratios), ratios
+    return record["runs"][method].tokens_per_s / record["runs"]["plain"].tokens_per_s, ratios
 
 
 def _tau_of_run(run) -> float | None:
@@ -85,12 +107,11 @@ def summarize_wall_clock(records: dict, methods: list[Method], log=_log_default)
                     "new_tokens": len(run.tokens),
                     "seconds": run.seconds,
                     "tokens_per_s": run.tokens_per_s,
-                    "speedup": run.tokens_per_s / plain.tokens_per_s,
+                    "speedup": speedups(p, method.name)[0],
                     "tau": _tau_of_run(run),
                     "rounds": rounds_of(run),
                     "identical": where is None,
-                    "speedup_runs": [r.tokens_per_s / q.tokens_per_s for r, q in zip(repeats, p["repeats"]["plain"])]
-                    if len(repeats) > 1 else None,
+                    "speedup_runs": speedups(p, method.name)[1] if len(repeats) > 1 else None,
                 })
             plain_median = median([p["runs"]["plain"].tokens_per_s for p in prompts])
             tps = median([r["tokens_per_s"] for r in rows])

@@ -56,7 +56,9 @@ def run(args):
     try:
         settings, notes = settings_from_args(args)
         spec = parse_drafters(args.drafters)
-        check_arms(args.concurrency_arms, args.concurrency_paired)  # --concurrency-arms
+        check_arms(args.concurrency_arms, args.concurrency_paired or args.concurrency_lockstep)  # --concurrency-arms
+        if args.concurrency_paired and args.concurrency_lockstep:
+            raise ValueError("--concurrency-paired and --concurrency-lockstep are two protocols; choose one")
     except ValueError as err:  # before the target loads: a typo costs nothing
         sys.exit(f"dspark bench: {err}")
     if args.concurrency_repeats < 1:
@@ -106,7 +108,7 @@ def _run_concurrency(args, target, drafters, suites, settings):
     result = run_concurrency(target, drafter, [list(map(int, p)) for p in prompts], levels, settings.max_new_tokens,
                              settings.gamma, arms=args.concurrency_arms,
                              log=lambda line: print(line, file=sys.stderr), repeats=args.concurrency_repeats,
-                             paired=args.concurrency_paired)
+                             paired=args.concurrency_paired, lockstep=args.concurrency_lockstep)
     result["settings"].update(drafter=name, command=shlex.join(["dspark", *sys.argv[1:]]))
     if args.out:
         paths = write(result, args.out)
@@ -151,4 +153,9 @@ def add_parser(sub):
                         "end, the others rotated each repetition, and report each arm's median ratio to the plain runs "
                         "adjacent in time (and its range): the comparison a machine whose speed drifts from minute to "
                         "minute still supports; about twice the closed loops (and time) of the default order")
+    p.add_argument("--concurrency-lockstep", action="store_true",
+                   help="with --concurrency: run every closed loop other than plain in lockstep with a plain closed "
+                        "loop of its own (one step of each in turn, each timed on its own steps: "
+                        "dspark_hf.bench.lockstep) and report each arm's median ratio to its partner (and its range): "
+                        "machine drift hits both loops alike; about the time of the paired protocol")
     return p

@@ -93,7 +93,8 @@ class RunSettings(Record):
         max_prompt_tokens: longer chat-formatted prompts were skipped. thresholds: static thresholds of the sweep.
         sampling_temperature: temperature of the ``t1`` τ pass. prompt_lookup_num_tokens: of the prompt-lookup
         baseline. warmup_tokens: length of the untimed warm-up generation per method. repeats: wall-clock runs per
-        method and prompt (absent in older files: 1). floor_repeats: runs per prompt of the floor pass (absent in
+        method and prompt (absent in older files: 1). lockstep: passes 2 and 3 ran each method in lockstep with plain
+        (``--lockstep``; absent in older files: no). floor_repeats: runs per prompt of the floor pass (absent in
         older files). math_filter: :class:`MathFilter`.
     """
 
@@ -106,6 +107,7 @@ class RunSettings(Record):
     prompt_lookup_num_tokens: int
     warmup_tokens: int
     repeats: int | None = field(default=None, metadata={"omit_none": True})
+    lockstep: bool | None = field(default=None, metadata={"omit_none": True})
     floor_repeats: int | None = field(default=None, metadata={"omit_none": True})
     math_filter: MathFilter | None = None
 

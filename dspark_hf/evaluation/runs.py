@@ -6,6 +6,7 @@ Shared by ``dspark generate``, ``dspark calibrate`` (STS needs fixed-length roun
 
 from __future__ import annotations
 
+import contextvars
 import time
 from dataclasses import dataclass, field
 
@@ -39,21 +40,32 @@ class Run:
         return len(self.tokens) / max(self.seconds, 1e-9)
 
 
+_ACTIVE_CLOCKS = contextvars.ContextVar("forward_clocks", default=())  # the ForwardClocks entered in this context
+
+
 class ForwardClock:
     """Notes when each forward of ``model`` starts and ends (forward hooks, removed on exit), for
-    :attr:`Run.forward_ms` and :attr:`Run.step_ms`: two clock reads per forward, the same for every method timed."""
+    :attr:`Run.forward_ms` and :attr:`Run.step_ms`: two clock reads per forward, the same for every method timed.
+    Only the forwards run in the context that entered it count (its thread or greenlet: another run may share the
+    model, :func:`~dspark_hf.bench.lockstep.run_lockstep`)."""
 
     def __init__(self, model: torch.nn.Module):
-        self.model, self.starts, self.ends, self._handles = model, [], [], []
+        self.model, self.starts, self.ends, self._handles, self._token = model, [], [], [], None
 
     def __enter__(self) -> ForwardClock:
-        self._handles = [self.model.register_forward_pre_hook(lambda *_: self.starts.append(time.perf_counter())),
-                         self.model.register_forward_hook(lambda *_: self.ends.append(time.perf_counter()))]
+        self._token = _ACTIVE_CLOCKS.set((*_ACTIVE_CLOCKS.get(), self))
+
+        def note(times):
+            return lambda *_: times.append(time.perf_counter()) if self in _ACTIVE_CLOCKS.get() else None
+
+        self._handles = [self.model.register_forward_pre_hook(note(self.starts)),
+                         self.model.register_forward_hook(note(self.ends))]
         return self
 
     def __exit__(self, *exc) -> None:
         for handle in self._handles:
             handle.remove()
+        _ACTIVE_CLOCKS.reset(self._token)
 
     @property
     def forward_ms(self) -> list[float]:
