@@ -83,6 +83,18 @@ def test_logits_match_stock_sdpa_with_left_padding(kv_heads):
     assert (logits["ours"][keep] - logits["stock"][keep]).abs().max() < 1e-4
 
 
+def _left_padded_block(heads: int, kv_heads: int, q_len: int, k_len: int):
+    """Random ``q [2, heads, q_len, 8]``, ``k, v [2, kv_heads, k_len, 8]`` and the boolean causal mask ``[2, 1, q_len,
+    k_len]`` of a block at the end of the cache, the first sequence's 5 leading positions padding."""
+    g = torch.Generator().manual_seed(heads + q_len)
+    q = torch.randn(2, heads, q_len, 8, generator=g)
+    k, v = (torch.randn(2, kv_heads, k_len, 8, generator=g) for _ in range(2))
+    mask = (torch.arange(k_len)[None, :] <= torch.arange(q_len)[:, None] + (k_len - q_len))[None, None]
+    mask = mask.expand(2, 1, q_len, k_len).clone()
+    mask[0, :, :, :5] = False  # left padding
+    return q, k, v, mask
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (6, 3), (4, 1)])
 @pytest.mark.parametrize("q_len", [1, 3, 8])
 @pytest.mark.parametrize("fold", [True, False])  # False: the threads' split made the layer run unfolded
@@ -91,16 +103,10 @@ def test_mask_folded_once_per_forward_matches_reference(heads, kv_heads, q_len, 
     attention as the boolean mask it comes from, whether the layer folds its queries or not; a fully masked query
     row stays finite."""
     monkeypatch.setattr(attention, "folds", lambda *args: fold)
-    g = torch.Generator().manual_seed(heads + q_len)
-    batch, k_len, dim = 2, 13 + q_len, 8
-    q = torch.randn(batch, heads, q_len, dim, generator=g)
-    k, v = (torch.randn(batch, kv_heads, k_len, dim, generator=g) for _ in range(2))
-    mask = (torch.arange(k_len)[None, :] <= torch.arange(q_len)[:, None] + (k_len - q_len))[None, None]
-    mask = mask.expand(batch, 1, q_len, k_len).clone()
-    mask[0, :, :, :5] = False  # left padding
+    q, k, v, mask = _left_padded_block(heads, kv_heads, q_len, 13 + q_len)
     additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
     folded = fold_mask(additive, heads // kv_heads)
-    assert folded.shape == (batch, 1, heads // kv_heads * q_len, k_len)
+    assert folded.shape == (2, 1, heads // kv_heads * q_len, 13 + q_len)
     out, _ = sdpa_gqa_attention_forward(_Module(), q, k, v, folded)
     torch.testing.assert_close(out, reference_attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
     mask[1, :, 0] = False  # a query that sees nothing (a padded position): finite, not NaN
@@ -130,13 +136,7 @@ def test_head_by_head_blocks_match_reference(heads, kv_heads, q_len, monkeypatch
     monkeypatch.setattr(attention, "PREFETCH_MIN_KEYS", 16)
     spy = _CountingSDPA()
     monkeypatch.setattr(attention, "F", spy)
-    g = torch.Generator().manual_seed(heads + q_len)
-    batch, k_len, dim = 2, 16 + q_len, 8
-    q = torch.randn(batch, heads, q_len, dim, generator=g)
-    k, v = (torch.randn(batch, kv_heads, k_len, dim, generator=g) for _ in range(2))
-    mask = (torch.arange(k_len)[None, :] <= torch.arange(q_len)[:, None] + (k_len - q_len))[None, None]
-    mask = mask.expand(batch, 1, q_len, k_len).clone()
-    mask[0, :, :, :5] = False  # left padding
+    q, k, v, mask = _left_padded_block(heads, kv_heads, q_len, 16 + q_len)
     folded = fold_mask(torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min), heads // kv_heads)
     expected = reference_attention(q, k, v, mask)
     for given in (mask, folded):
