@@ -19,8 +19,8 @@ two score products at ~40 GFLOP/s on one core of the reference machine (its GEMM
 hand-composed ``matmul`` + ``softmax`` + ``matmul`` was not faster at any measured shape
 (``docs/long/verify_cost.md``). Part of that is the kernel waiting on K/V read from memory, which a block's many
 rows do not hide: on one thread a folded block over at least :data:`PREFETCH_MIN_KEYS` positions runs one K/V head
-at a time, each head's keys and values read into the cache first (:func:`_sdpa_head_by_head`; 5-6 % of a B = 8
-verification at ctx 1,024-4,096, issue 23).
+at a time, each head's keys and values read into the cache first (:func:`_sdpa_head_by_head`; a B = 8
+verification 2.5-6 % faster at ctx 1,024-2,048 and 0-8 % at 4,096, issue 23).
 """
 
 from __future__ import annotations
