@@ -102,9 +102,10 @@ def _sdpa_head_by_head(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     layer's folded B = 8 attention (24 rows per K/V head, SmolLM2) over 4,104 positions ran at 686 ns per position
     with its 6.3 MB of K/V out of cache and 414 with them in cache (``docs/long/verify_cost.md``). In a forward a
     layer's K/V always come from memory (the weights streamed in between evict them), and a whole layer's K/V
-    do not fit in the cache at long contexts, one head's (a third) do: so each head's keys and values are read
-    by a strided ``sum`` (one value per 64-byte line, the hardware prefetcher streams the rest) just before that
-    head's kernel. Same kernel, same maths per head: the output equals the one-call SDPA exactly.
+    (3.1 MB at ctx 2,048 for SmolLM2) do not stay in the cache, one head's (a third) mostly do: so each head's keys
+    and values are read by a strided ``sum`` (one value per 64-byte line touches every line) just before that
+    head's kernel. Same kernel, same maths per head: the output equals the one-call SDPA exactly. At ctx 4,096 one
+    head's 2.1 MB exceed a 1 MB L2 and the gain depends on the shared L3 (0-8 % of a B = 8 forward, issue 23).
 
     Args:
         query: ``[B, H_kv, g·q, D]`` (folded); key / value: ``[B, H_kv, k, D]``.
