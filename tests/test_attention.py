@@ -83,6 +83,18 @@ def test_logits_match_stock_sdpa_with_left_padding(kv_heads):
     assert (logits["ours"][keep] - logits["stock"][keep]).abs().max() < 1e-4
 
 
+def _left_padded_block(heads: int, kv_heads: int, q_len: int, k_len: int):
+    """Random ``q [2, heads, q_len, 8]``, ``k, v [2, kv_heads, k_len, 8]`` and the boolean causal mask ``[2, 1, q_len,
+    k_len]`` of a block at the end of the cache, the first sequence's 5 leading positions padding."""
+    g = torch.Generator().manual_seed(heads + q_len)
+    q = torch.randn(2, heads, q_len, 8, generator=g)
+    k, v = (torch.randn(2, kv_heads, k_len, 8, generator=g) for _ in range(2))
+    mask = (torch.arange(k_len)[None, :] <= torch.arange(q_len)[:, None] + (k_len - q_len))[None, None]
+    mask = mask.expand(2, 1, q_len, k_len).clone()
+    mask[0, :, :, :5] = False  # left padding
+    return q, k, v, mask
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (6, 3), (4, 1)])
 @pytest.mark.parametrize("q_len", [1, 3, 8])
 @pytest.mark.parametrize("fold", [True, False])  # False: the threads' split made the layer run unfolded
@@ -91,22 +103,65 @@ def test_mask_folded_once_per_forward_matches_reference(heads, kv_heads, q_len, 
     attention as the boolean mask it comes from, whether the layer folds its queries or not; a fully masked query
     row stays finite."""
     monkeypatch.setattr(attention, "folds", lambda *args: fold)
-    g = torch.Generator().manual_seed(heads + q_len)
-    batch, k_len, dim = 2, 13 + q_len, 8
-    q = torch.randn(batch, heads, q_len, dim, generator=g)
-    k, v = (torch.randn(batch, kv_heads, k_len, dim, generator=g) for _ in range(2))
-    mask = (torch.arange(k_len)[None, :] <= torch.arange(q_len)[:, None] + (k_len - q_len))[None, None]
-    mask = mask.expand(batch, 1, q_len, k_len).clone()
-    mask[0, :, :, :5] = False  # left padding
+    q, k, v, mask = _left_padded_block(heads, kv_heads, q_len, 13 + q_len)
     additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
     folded = fold_mask(additive, heads // kv_heads)
-    assert folded.shape == (batch, 1, heads // kv_heads * q_len, k_len)
+    assert folded.shape == (2, 1, heads // kv_heads * q_len, 13 + q_len)
     out, _ = sdpa_gqa_attention_forward(_Module(), q, k, v, folded)
     torch.testing.assert_close(out, reference_attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
     mask[1, :, 0] = False  # a query that sees nothing (a padded position): finite, not NaN
     out, _ = sdpa_gqa_attention_forward(_Module(), q, k, v, fold_mask(
         torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min), heads // kv_heads))
     assert torch.isfinite(out).all()
+
+
+class _CountingSDPA:
+    """Stands in for ``torch.nn.functional`` in attention.py: the real SDPA, counting its calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def scaled_dot_product_attention(self, *args, **kwargs):
+        self.calls += 1
+        return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (6, 3), (4, 1)])
+@pytest.mark.parametrize("q_len", [1, 3, 8])
+def test_head_by_head_blocks_match_reference(heads, kv_heads, q_len, monkeypatch):
+    """A folded block over at least PREFETCH_MIN_KEYS positions runs one SDPA per K/V head (1 thread): the same
+    attention as the reference under a left-padded causal mask, boolean or folded additive; a 1-token step keeps
+    one call."""
+    monkeypatch.setattr(attention, "folds", lambda *args: True)
+    monkeypatch.setattr(attention, "PREFETCH_MIN_KEYS", 16)
+    spy = _CountingSDPA()
+    monkeypatch.setattr(attention, "F", spy)
+    q, k, v, mask = _left_padded_block(heads, kv_heads, q_len, 16 + q_len)
+    folded = fold_mask(torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min), heads // kv_heads)
+    expected = reference_attention(q, k, v, mask)
+    for given in (mask, folded):
+        spy.calls = 0
+        out, _ = sdpa_gqa_attention_forward(_Module(), q, k, v, given)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        assert spy.calls == (kv_heads if q_len > 1 else 1)
+
+
+@pytest.mark.parametrize("guard", ["keys", "threads", "unfolded"])
+def test_head_by_head_only_for_long_folded_blocks_on_one_thread(guard, monkeypatch):
+    """One SDPA call (not one per K/V head) below PREFETCH_MIN_KEYS positions, on 2 threads (a single head leaves
+    a thread idle) and where the layer does not fold."""
+    monkeypatch.setattr(attention, "folds", lambda *args: guard != "unfolded")
+    monkeypatch.setattr(attention, "PREFETCH_MIN_KEYS", 24 + (guard == "keys"))
+    spy = _CountingSDPA()
+    monkeypatch.setattr(attention, "F", spy)
+    if guard == "threads":
+        torch.set_num_threads(2)  # the module's one_thread fixture restores its own value at the end
+    q, k, v = torch.randn(1, 6, 8, 8), torch.randn(1, 2, 24, 8), torch.randn(1, 2, 24, 8)
+    mask = (torch.arange(24)[None, :] <= torch.arange(8)[:, None] + 16)[None, None]
+    out, _ = sdpa_gqa_attention_forward(_Module(), q, k, v, mask)
+    torch.set_num_threads(1)
+    torch.testing.assert_close(out, reference_attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    assert spy.calls == 1
 
 
 class _FakeKernels:
@@ -176,10 +231,18 @@ def test_gqa_sdpa_mask_folds_short_blocks_of_grouped_models_only():
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])  # 4 and 2 query heads per K/V head, and plain multi-head
-def test_logits_match_stock_through_crops_and_regrowth(kv_heads):
+@pytest.mark.parametrize("head_by_head", [False, True])  # True: every block runs one SDPA per K/V head
+def test_logits_match_stock_through_crops_and_regrowth(kv_heads, head_by_head, monkeypatch):
     """This package's kernels (folded GQA attention and masks, GrowingCache) against stock sdpa + DynamicCache on a
     left-padded batch: a prefill longer than FOLD_MAX_QUERIES, then blocks of 3, 8, 1 and 9 tokens with crops
-    between them (rejected drafts), as verification runs them."""
+    between them (rejected drafts), as verification runs them; with blocks over any cache length run head by head
+    (PREFETCH_MIN_KEYS lowered to 1) too."""
+    runs = []
+    if head_by_head:
+        monkeypatch.setattr(attention, "PREFETCH_MIN_KEYS", 1)
+        monkeypatch.setattr(attention, "folds", lambda *args: True)  # not the timing's choice: it must run here
+        real = attention._sdpa_head_by_head
+        monkeypatch.setattr(attention, "_sdpa_head_by_head", lambda *args: runs.append(1) or real(*args))
     stock = tiny_llama(97, 32, 2, num_key_value_heads=kv_heads)
     ours = use_cpu_kernels(copy.deepcopy(stock), prepack=False)
     g = torch.Generator().manual_seed(kv_heads)
@@ -202,6 +265,7 @@ def test_logits_match_stock_through_crops_and_regrowth(kv_heads):
             logits[name] = torch.cat(out, 1)
     keep = torch.cat([padding[:, :prompt], torch.ones(2, 21, dtype=torch.long)], 1).bool()
     torch.testing.assert_close(logits["ours"][keep], logits["stock"][keep], rtol=1e-5, atol=1e-5)
+    assert len(runs) == (3 * 2 if head_by_head and kv_heads < 4 else 0)  # blocks of 3, 8, 9 tokens × 2 layers
 
 
 def test_only_sdpa_models_are_switched():

@@ -17,7 +17,10 @@ It is registered as :data:`SDPA_GQA` through transformers' public ``AttentionInt
 What a B = 8 block costs over a long cache is the attention arithmetic itself: torch's CPU flash kernel runs the
 two score products at ~40 GFLOP/s on one core of the reference machine (its GEMMs reach ~90 in cache), and a
 hand-composed ``matmul`` + ``softmax`` + ``matmul`` was not faster at any measured shape
-(``docs/long/verify_cost.md``).
+(``docs/long/verify_cost.md``). Part of that is the kernel waiting on K/V read from memory, which a block's many
+rows do not hide: on one thread a folded block over at least :data:`PREFETCH_MIN_KEYS` positions runs one K/V head
+at a time, each head's keys and values read into the cache first (:func:`_sdpa_head_by_head`; a B = 8
+verification 2.5-6 % faster at ctx 1,024-2,048 and 0-8 % at 4,096, issue 23).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ SDPA_GQA = "dspark_sdpa_gqa"  # the attn_implementation name registered by regis
 FOLD_MAX_QUERIES = 64  # fold the query heads of a group into rows for at most this many queries (not prefill)
 TUNE_CONTEXT = 2048  # cached positions when timing folded against enable_gqa (folds)
 TUNE_BLOCK = 8  # the block size timed for every block of 2..FOLD_MAX_QUERIES tokens
+PREFETCH_MIN_KEYS = 1024  # a folded block over at least this many positions runs head by head on 1 thread
 
 
 def sdpa_gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -52,6 +56,9 @@ def sdpa_gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
         **kwargs: what transformers passes; a ``position_bias``, ``softcap`` or ``output_attentions`` request goes
             to the stock ``sdpa`` function (which handles or rejects them).
 
+    A folded block of ``q > 1`` queries over at least :data:`PREFETCH_MIN_KEYS` positions on the CPU at one torch
+    thread runs one K/V head at a time (:func:`_sdpa_head_by_head`).
+
     Returns:
         ``(attn_output [B, q, H, D], None)``.
     """
@@ -69,6 +76,7 @@ def sdpa_gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
         key, value = key[:, :, :q_length], value[:, :, :q_length]
     batch, heads, _, head_dim = query.shape
     groups = heads // key.shape[1]
+    head_by_head = False
     if (groups > 1 and not causal and q_length <= FOLD_MAX_QUERIES and folds(query, heads // groups)
             and (attention_mask is None or attention_mask.shape[1] == 1)):
         query = query.reshape(batch, heads // groups, groups * q_length, head_dim)
@@ -76,9 +84,45 @@ def sdpa_gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
             attention_mask = folded
         elif attention_mask is not None:
             attention_mask = fold_mask(attention_mask, groups)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                         scale=scaling, is_causal=causal, enable_gqa=query.shape[1] != key.shape[1])
+        head_by_head = (q_length > 1 and key.shape[2] >= PREFETCH_MIN_KEYS and query.device.type == "cpu"
+                        and torch.get_num_threads() == 1)  # 2 threads: one head is one work item, a thread idles
+    if head_by_head:
+        out = _sdpa_head_by_head(query, key, value, attention_mask, dropout, scaling)
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                             scale=scaling, is_causal=causal, enable_gqa=query.shape[1] != key.shape[1])
     return out.reshape(batch, heads, q_length, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def _sdpa_head_by_head(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+                       dropout: float, scale: float | None) -> torch.Tensor:
+    """SDPA of folded queries one K/V head at a time, each head's keys and values first read into the cache.
+
+    torch's CPU flash kernel stalls on K/V that come from memory when a block's rows make it compute-heavy: one
+    layer's folded B = 8 attention (24 rows per K/V head, SmolLM2) over 4,104 positions ran at 686 ns per position
+    with its 6.3 MB of K/V out of cache and 414 with them in cache (``docs/long/verify_cost.md``). In a forward a
+    layer's K/V always come from memory (the weights streamed in between evict them), and a whole layer's K/V
+    (3.1 MB at ctx 2,048 for SmolLM2) do not stay in the cache, one head's (a third) mostly do: so each head's keys
+    and values are read by a strided ``sum`` (one value per 64-byte line touches every line) just before that
+    head's kernel. Same kernel, same maths per head: the output equals the one-call SDPA exactly. At ctx 4,096 one
+    head's 2.1 MB exceed a 1 MB L2 and the gain depends on the shared L3 (0-8 % of a B = 8 forward, issue 23).
+
+    Args:
+        query: ``[B, H_kv, g·q, D]`` (folded); key / value: ``[B, H_kv, k, D]``.
+        attn_mask: the folded mask ``[B, 1, g·q, k]`` (shared by the heads) or ``None``.
+        dropout / scale: as for ``scaled_dot_product_attention``.
+
+    Returns:
+        ``[B, H_kv, g·q, D]``.
+    """
+    line = max(1, 64 // key.element_size())  # values per 64-byte cache line
+    out = []
+    for h in range(key.shape[1]):
+        k, v = key[:, h : h + 1], value[:, h : h + 1]  # [B, 1, k, D]
+        k[..., ::line].sum(), v[..., ::line].sum()  # touch every line of this head's K/V: it is read from cache below
+        out.append(F.scaled_dot_product_attention(query[:, h : h + 1], k, v, attn_mask=attn_mask, dropout_p=dropout,
+                                                  scale=scale))
+    return torch.cat(out, dim=1)
 
 
 def fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
