@@ -155,12 +155,13 @@ class DraftGate:
     steps away when drafting starts to pay at that ``R``. The cap is the gate's own, 8× a request's probe cap
     (:data:`MAX_PROBE_INTERVAL`): a re-measure at ``R = 8`` on the 2-core EPYC costs ~2 plain steps (a drafter pass
     for 8 requests, the catch-up over the steps skipped, ~16 tokens verified for τ = 1.0), so ``LOSS_BOUND`` wants
-    ~100 steps between them, and at a cap of 64 the 2-4 re-measures of a 127-step loop lost ~3 % of its time
-    against plain batched decoding (lockstep, 2 threads: 0.968×; 0.996-1.008× with the gate held shut), issue 24.
-    The gate's state outlives a call (:func:`learnt_costs`), so the longer intervals carry over between calls.
+    ~100 steps between them; at a cap of 64 a 127-step loop ran 2-4 of them (2 timed: 239 and 277 ms against
+    115 ms plain steps, 1.6 % of the loop) and the scheduler reached 0.968× plain batched decoding (lockstep,
+    2 threads; 0.996-1.008× with the gate held shut), issue 24; at a cap of 512, 0.989× at ``R = 8`` and 0.996× at
+    ``R = 4`` (one re-measure or none per loop, 0-1 % of it).
 
     One gate (with its :class:`StepCosts`) serves every call of a drafter with the same settings
-    (:func:`learnt_costs`), so a call starts from what the previous ones learnt.
+    (:func:`learnt_costs`), so a call starts from what the previous ones learnt, the re-measure intervals included.
 
     Attributes:
         tokens_per_request / verified_per_request: ``t̄`` and ``b̄`` by ``R`` (empty before the first drafting step).
