@@ -24,7 +24,7 @@ from transformers.generation.streamers import BaseStreamer
 from dspark_hf import ConcurrentDecoder, generate_concurrent
 from dspark_hf.bench.concurrency import markdown, run_concurrency, write
 from dspark_hf.decoding.alone import AlonePlanner
-from dspark_hf.decoding.batch_costs import DraftGate, StepCosts, learnt_costs
+from dspark_hf.decoding.batch_costs import MAX_REMEASURE_INTERVAL, DraftGate, StepCosts, learnt_costs
 from dspark_hf.decoding.calibration import OnlineCorrection
 from dspark_hf.decoding.lookup import RoundPlan, find_continuation
 from dspark_hf.decoding.lookup_acceptance import LookupAcceptance, LookupPrior, reset_lookup_prior
@@ -524,11 +524,12 @@ def test_draft_gate_backs_off_so_re_measures_cost_at_most_the_loss_bound():
     assert not gate.drafts(costs, 4, 8) and not gate.drafts(costs, 2, 0)  # no plain rate at R yet: plain measures it
     gate.observe_step(4, 0, emitted=4, step_ms=80.0)
     # a drafting step costs 160 / 120 · (1 − 0.9375) = 1/12 plain step beyond plain decoding: re-measure after
-    # ⌈(1/12) / 0.02⌉ = 5 plain steps, then after 10, 20, 40 and 64 (the cap)
+    # ⌈(1/12) / 0.02⌉ = 5 plain steps, then after 10, 20, ..., 320 and 512 (the gate's cap, not a probe's 64)
     assert gate.remeasure_cost(costs, 4, 0) == pytest.approx(1 / 12)
-    decisions = [gate.drafts(costs, 4, 0) for _ in range(5 + 10 + 20 + 40 + 64)]
-    assert [i for i, d in enumerate(decisions) if d] == [4, 14, 34, 74, 138]
-    assert gate.interval == {4: 64}
+    assert MAX_REMEASURE_INTERVAL == 512
+    decisions = [gate.drafts(costs, 4, 0) for _ in range(5 + 10 + 20 + 40 + 80 + 160 + 320 + 512 + 512)]
+    assert [i for i, d in enumerate(decisions) if d] == [4, 14, 34, 74, 154, 314, 634, 1146, 1658]
+    assert gate.interval == {4: 512}
     gate.observe_step(4, 4, emitted=6, step_ms=150.0)  # measured 0.04 against 0.05 tokens/ms: the measured ratio
     assert gate.remeasure_cost(costs, 4, 0) == pytest.approx(160 / 120 * (1 - 0.8))
     gate.observe_step(4, 2, emitted=5, step_ms=10.0)  # two of four drafted (no room): a rate of neither kind
@@ -538,7 +539,7 @@ def test_draft_gate_backs_off_so_re_measures_cost_at_most_the_loss_bound():
 def test_a_re_measure_is_priced_with_the_catch_up_it_would_run_first():
     """The drafter's contexts catch up 4 tokens per plain step (R = 4); at 0.3 ms a token a re-measure after k plain
     steps costs 1/12 + 1.2 k / 120 plain steps: ⌈(1/12 + 0.01 k) / 0.02⌉ ≤ k first at k = 9 (5 without the
-    catch-up); at 0.6 ms a token the catch-up alone is 2 % a step, so only the cap (64) bounds the wait."""
+    catch-up); at 0.6 ms a token the catch-up alone is 2 % a step, so only the gate's cap (512) bounds the wait."""
     costs = StepCosts(tiny_sps_curve())
     costs.observe(4, overhead_ms=5.0, draft_ms=20.0)  # plain step 120 ms, drafting step 160 ms (as above)
     costs.observe_catch_up(4, ms=0.0, tokens=0)  # nothing caught up: nothing learnt
@@ -546,13 +547,13 @@ def test_a_re_measure_is_priced_with_the_catch_up_it_would_run_first():
     costs.observe_catch_up(4, ms=24.0, tokens=40)  # 0.6 ms a token
     costs.observe_catch_up(4, ms=6.0, tokens=40)  # running estimate: 0.8 · 0.6 + 0.2 · 0.15 = 0.51
     assert costs.catch_up_ms == {4: pytest.approx(0.51)} and costs.catch_up(8, 10) == pytest.approx(5.1)
-    for per_token, first in ((0.3, 9), (0.6, 64)):
+    for per_token, first in ((0.3, 9), (0.6, MAX_REMEASURE_INTERVAL)):
         costs.catch_up_ms = {4: per_token}
         gate = DraftGate()
         gate.observe(4, emitted=5, verified=8)  # model ratio 0.9375: 1/12 plain step beyond plain decoding
         gate.observe_step(4, 0, emitted=4, step_ms=80.0)
         assert gate.remeasure_cost(costs, 4, 0, catch_up=40) == pytest.approx(1 / 12 + 40 * per_token / 120)
-        decisions = [gate.drafts(costs, 4, 0, catch_up=4 * k) for k in range(1, 70)]
+        decisions = [gate.drafts(costs, 4, 0, catch_up=4 * k) for k in range(1, MAX_REMEASURE_INTERVAL + 2)]
         assert decisions.index(True) + 1 == first
 
 
@@ -578,6 +579,25 @@ def test_draft_gate_needs_a_measured_margin_and_two_winning_steps_to_restart():
     gate.observe_step(4, 4, emitted=26, step_ms=250.0)  # 0.8 · 0.0624 + 0.2 · 0.104 = 0.07072
     assert gate.drafts(costs, 4, 0) and gate.interval == {4: 1}  # two winning steps in a row: back-off restarts
     assert not gate.drafts(costs, 8, 0)  # R = 8: t̄, b̄ from R = 4 (nearest), but no plain rate measured there
+
+
+def test_a_gate_at_its_cap_re_measures_within_512_steps_and_two_winning_steps_restart_the_clock():
+    """At the cap the gate drafts again after 512 plain steps, however much the model now favours drafting (the
+    measured rates say it lost); when that re-measure and the next step win, the interval returns to 1."""
+    costs = StepCosts(tiny_sps_curve())
+    costs.observe(4, overhead_ms=5.0, draft_ms=20.0)  # plain step 120 ms, drafting at B = 8: 160 ms
+    gate = DraftGate()
+    gate.observe(4, emitted=8, verified=8)  # t̄ = b̄ = 2: 1.5 by the model
+    gate.observe_step(4, 0, emitted=4, step_ms=80.0)  # plain: 0.05 tokens/ms
+    gate.observe_step(4, 4, emitted=6, step_ms=150.0)  # drafting: 0.04 tokens/ms, it lost
+    gate.interval[4], gate.plain_steps[4] = MAX_REMEASURE_INTERVAL, 0  # where steady losses left it
+    decisions = []
+    for _ in range(MAX_REMEASURE_INTERVAL + 1):  # the engine's loop; a drafting step now emits 26 in 200 ms
+        decisions.append(gate.drafts(costs, 4, 0))
+        gate.observe_step(4, 4 if decisions[-1] else 0, 26 if decisions[-1] else 4, 200.0 if decisions[-1] else 80.0)
+    assert [i for i, d in enumerate(decisions) if d] == [511, 512]  # measured 0.8 · 0.04 + 0.2 · 0.13 = 0.058 > 0.0525
+    assert gate.interval == {4: 512}  # the re-measure and one win: not yet
+    assert gate.drafts(costs, 4, 0) and gate.interval == {4: 1}  # two winning steps in a row: back-off restarts
 
 
 class FrozenCosts(StepCosts):

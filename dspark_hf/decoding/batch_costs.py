@@ -31,7 +31,8 @@ MEASURED_MARGIN = 0.05  # measured, drafting steps must reach this much more thr
 CONFIRM_STEPS = 2  # drafting steps in a row a re-measure runs before its measurement can restart drafting
 LOSS_BOUND = 0.02  # re-measures (and a request's probes, RoundPlanner.probe_wait) cost at most this share of the
 # plain steps' time (unless the interval is at its cap)
-MAX_PROBE_INTERVAL = 64  # plain steps between two re-measures, at most
+MAX_PROBE_INTERVAL = 64  # a request's plain rounds between two probes (RoundPlanner.probe_wait), at most
+MAX_REMEASURE_INTERVAL = 512  # the gate's plain steps between two re-measures at one R, at most (DraftGate)
 
 
 def _blend(table: dict[int, float], key: int, value: float) -> None:
@@ -53,12 +54,12 @@ def _interpolate(table: dict[int, float], key: int, proportional: bool = False) 
     return table[lo] + (table[hi] - table[lo]) * (key - lo) / (hi - lo)
 
 
-def priced_wait(interval: int, loss: float) -> int:
+def priced_wait(interval: int, loss: float, cap: int = MAX_PROBE_INTERVAL) -> int:
     """Plain steps (or rounds) to wait before a step that drafts only to measure the drafter again (the gate's
     re-measure, a request's probe: :meth:`~dspark_hf.decoding.lookup.RoundPlanner.probe_wait`): ``interval``, or
     more where that step's ``loss`` (in plain steps, ``>= 0``) would exceed :data:`LOSS_BOUND` of the steps waited,
-    at most :data:`MAX_PROBE_INTERVAL`."""
-    return min(max(interval, math.ceil(loss / LOSS_BOUND)), MAX_PROBE_INTERVAL)
+    at most ``cap`` (:data:`MAX_PROBE_INTERVAL` for a probe, :data:`MAX_REMEASURE_INTERVAL` for the gate)."""
+    return min(max(interval, math.ceil(loss / LOSS_BOUND)), cap)
 
 
 @dataclass
@@ -148,10 +149,19 @@ class DraftGate:
     steps in a row won, so one lucky step does not restart the re-measures' clock). ``wait`` is ``interval(R)``, or
     more where a re-measure would otherwise cost more than :data:`LOSS_BOUND` of the plain steps' time
     (:meth:`remeasure_cost` / ``LOSS_BOUND``, the catch-up it would run first included: it grows with the steps
-    waited), at most :data:`MAX_PROBE_INTERVAL`; each re-measure doubles it.
+    waited), at most :data:`MAX_REMEASURE_INTERVAL`; each re-measure doubles it. So at an ``R`` where re-measures
+    keep losing, their share of the plain steps falls geometrically (``LOSS_BOUND`` at the first, half that at the
+    next, ...) down to ``remeasure_cost / MAX_REMEASURE_INTERVAL``, and the next re-measure is at most that many
+    steps away when drafting starts to pay at that ``R``. The cap is the gate's own, 8× a request's probe cap
+    (:data:`MAX_PROBE_INTERVAL`): a re-measure at ``R = 8`` on the 2-core EPYC costs ~2 plain steps (a drafter pass
+    for 8 requests, the catch-up over the steps skipped, ~16 tokens verified for τ = 1.0), so ``LOSS_BOUND`` wants
+    ~100 steps between them; at a cap of 64 a 127-step loop ran 2-4 of them (2 timed: 239 and 277 ms against
+    115 ms plain steps, 1.6 % of the loop) and the scheduler reached 0.968× plain batched decoding (lockstep,
+    2 threads; 0.996-1.008× with the gate held shut), issue 24; at a cap of 512, 0.989× at ``R = 8`` and 0.996× at
+    ``R = 4`` (one re-measure or none per loop, 0-1 % of it).
 
     One gate (with its :class:`StepCosts`) serves every call of a drafter with the same settings
-    (:func:`learnt_costs`), so a call starts from what the previous ones learnt.
+    (:func:`learnt_costs`), so a call starts from what the previous ones learnt, the re-measure intervals included.
 
     Attributes:
         tokens_per_request / verified_per_request: ``t̄`` and ``b̄`` by ``R`` (empty before the first drafting step).
@@ -205,11 +215,11 @@ class DraftGate:
         self.plain_steps[requests] = self.plain_steps.get(requests, 0) + 1
         wait = self.interval.get(requests, 1)
         if self.plain_steps[requests] >= wait:  # time to re-measure, unless that would cost more than LOSS_BOUND
-            wait = priced_wait(wait, self.remeasure_cost(costs, requests, context, catch_up))
+            wait = priced_wait(wait, self.remeasure_cost(costs, requests, context, catch_up), MAX_REMEASURE_INTERVAL)
         if self.plain_steps[requests] < wait:
             return False
         self.plain_steps[requests] = 0
-        self.interval[requests] = min(2 * wait, MAX_PROBE_INTERVAL)
+        self.interval[requests] = min(2 * wait, MAX_REMEASURE_INTERVAL)
         return True
 
     def observe(self, requests: int, emitted: int, verified: int) -> None:
