@@ -65,10 +65,10 @@ def speedups(record: dict, method: str) -> tuple[float, list[float]]:
     run of the same repeat; the prompt's speedup is the median of those ratios in lockstep (both sides of a ratio
     shared the machine's minutes), else the median run's tok/s over plain's median run's.
     """
-    runs = record["repeats"][method]
-    plain = record.get("partners", {}).get(method) or record["repeats"]["plain"]
-    ratios = [r.tokens_per_s / q.tokens_per_s for r, q in zip(runs, plain)]
-    if "partners" in record and method in record["partners"]:
+    partners = record.get("partners", {}).get(method)
+    ratios = [r.tokens_per_s / q.tokens_per_s for r, q in zip(record["repeats"][method],
+                                                               partners or record["repeats"]["plain"])]
+    if partners:
         return median(ratios), ratios
     return record["runs"][method].tokens_per_s / record["runs"]["plain"].tokens_per_s, ratios
 
@@ -102,16 +102,17 @@ def summarize_wall_clock(records: dict, methods: list[Method], log=_log_default)
                     mismatches.append({"suite": suite, "prompt": p["id"], "method": method.name, "position": where,
                                        "tokens": len(diverging[0][1].tokens), "plain_tokens": len(plain.tokens)})
                     log(f"MISMATCH {suite}/{p['id']} {method.name}: differs from plain greedy at new token {where}")
+                speedup, speedup_runs = speedups(p, method.name)
                 rows.append({
                     "id": p["id"],
                     "new_tokens": len(run.tokens),
                     "seconds": run.seconds,
                     "tokens_per_s": run.tokens_per_s,
-                    "speedup": speedups(p, method.name)[0],
+                    "speedup": speedup,
                     "tau": _tau_of_run(run),
                     "rounds": rounds_of(run),
                     "identical": where is None,
-                    "speedup_runs": speedups(p, method.name)[1] if len(repeats) > 1 else None,
+                    "speedup_runs": speedup_runs if len(repeats) > 1 else None,
                 })
             plain_median = median([p["runs"]["plain"].tokens_per_s for p in prompts])
             tps = median([r["tokens_per_s"] for r in rows])
