@@ -68,8 +68,9 @@ def test_paired_run_reports_the_median_adjacent_ratio_and_its_range(monkeypatch)
     assert scheduler["speed_vs_plain"] == pytest.approx(12 / 12)  # fastest over plain's fastest, as before
     assert result["settings"]["protocol"] == "paired"
     table = markdown(result)
-    assert "| 1 | scheduler | 12.0 | 6.0 / 3.0 | 1.00 (0.90 / 1.20 / 1.25) | 1.200 (0.90-1.25); 1.200 |" in table
+    assert "| 1 | scheduler | 12.0 | 6.0 / 3.0 | 1.00 (0.90 / 1.20 / 1.25) | 1.200 (0.900-1.250); 1.200 |" in table
     assert "plain ran 7 times" in table and "in the paired order below" in table and "run i over" not in table
+    assert "every arm ran 3 times per R" in table and "median over the 3 runs" in table
 
 
 def test_lockstep_run_reports_each_arms_median_ratio_to_its_plain_partner(monkeypatch):
@@ -106,9 +107,23 @@ def test_lockstep_run_reports_each_arms_median_ratio_to_its_plain_partner(monkey
     assert lines[0] == "R=1 run 1/3 scheduler: 9.0 tok/s, 0/1 drafting steps; in lockstep with plain 10.0 tok/s, × 0.900"
     table = markdown(result)
     assert "× plain in lockstep: median (range); per user |" in table
-    assert "| 1 | scheduler | 12.0 | 6.0 / 3.0 | 1.00 (0.90 / 1.50 / 1.25) | 1.250 (0.90-1.50); 1.250 |" in table
+    assert "| 1 | scheduler | 12.0 | 6.0 / 3.0 | 1.00 (0.90 / 1.50 / 1.25) | 1.250 (0.900-1.500); 1.250 |" in table
     assert "(6 plain runs)" in table and "each in lockstep with plain" in table
     with pytest.raises(ValueError, match="not both"):
         run_concurrency(None, None, [[1]], [1], 2, 7, arms=("plain", "scheduler"), paired=True, lockstep=True)
     with pytest.raises(ValueError, match="needs plain and another arm"):
         run_concurrency(None, None, [[1]], [1], 2, 7, arms=("scheduler",), lockstep=True)
+
+
+@pytest.mark.parametrize(("protocol", "counts"), [
+    ("interleaved", ["every arm ran 1 time per R"]),
+    ("paired", ["every arm ran 1 time per R", "so plain ran 2 times", "median over the 1 run and"]),  # P S P
+    ("lockstep", ["every arm ran 1 time per R", "(1 plain run)", "median over the 1 run and"]),
+])
+def test_the_legend_counts_runs_in_the_right_number(protocol, counts):
+    result = {"rows": [], "settings": {"repeats": 1, "arms": ["plain", "scheduler"], "gamma": 7, "fixed_ks": [1, 2],
+                                       "protocol": protocol}}
+    table = markdown(result)
+    for text in counts:
+        assert text in table
+    assert "1 times" not in table and "1 runs" not in table

@@ -104,3 +104,6 @@ def test_report_says_how_many_runs_a_prompt_had_and_that_the_floor_was_skipped()
             "those of each method's median run by wall time)") in report
     assert "**The floor** (pass 4) was skipped (`--floor-repeats 0`)." in report
     assert "up to 1 prompt per suite" in report
+    settings = dataclasses.replace(result.settings, repeats=1, lockstep=True)
+    report = markdown_report(dataclasses.replace(result, settings=settings))
+    assert "in lockstep with a plain `generate` of its own" in report and "1 such pair per prompt" in report

@@ -245,3 +245,22 @@ def test_concurrency_repeats_reach_the_bench_and_zero_is_refused_before_loading(
 def test_concurrency_arms_are_checked_before_loading(no_loading, arms, message):
     with pytest.raises(SystemExit, match=message):
         cli.main(["bench", "--concurrency", "1", "--concurrency-arms", arms, "--concurrency-paired"])
+
+
+def test_bench_notes_count_prompts_in_the_right_number(no_loading, monkeypatch):
+    """One prompt skipped and one left of --limit 2: the notes say "1 prompt", not "1 prompts"."""
+    class Ran(Exception):
+        pass
+
+    def run_bench(*args, notes, **kwargs):
+        raise Ran(notes)
+
+    monkeypatch.setattr(bench, "load_cli_target", lambda args: (None, None))
+    monkeypatch.setattr("dspark_hf.bench.loading.load_drafters", lambda *args: ({"dspark": None}, {}, []))
+    monkeypatch.setattr("dspark_hf.bench.suites.suite_texts", lambda *args: {})
+    monkeypatch.setattr("dspark_hf.bench.suites.encode_suites", lambda *args: ({"chat": [("a", [1, 2])]}, {"chat": 1}))
+    monkeypatch.setattr("dspark_hf.bench.runner.run_bench", run_bench)
+    with pytest.raises(Ran) as ran:
+        cli.main(["bench", "--limit", "2", "--suites", "chat", "--max-new-tokens", "8"])
+    assert ran.value.args[0] == ["suite 'chat': 1 prompt longer than 320 tokens skipped.",
+                                 "suite 'chat' has only 1 prompt (limit 2)."]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dspark_hf.evaluation.tables import format_number, markdown_table
+from dspark_hf.evaluation.tables import counted, format_number, markdown_table
 
 
 @pytest.mark.parametrize(("value", "digits", "text"), [
@@ -20,3 +20,11 @@ def test_format_number_values(value, digits, text):
 def test_markdown_table_formats_every_cell():
     assert markdown_table(["a", "b"], [[0.5, None], [2, 150.0]], format_number) == (
         "| a | b |\n|---|---|\n| 0.500 | – |\n| 2 | 150.0 |")
+
+
+@pytest.mark.parametrize(("n", "noun", "text"), [
+    (1, "prompt", "1 prompt"), (3, "prompt", "3 prompts"), (0, "prompt", "0 prompts"),  # 0 takes the plural
+    (2, "plain run", "2 plain runs"), (1, "plain run", "1 plain run"),  # a phrase: the s on its last word
+])
+def test_counted_puts_the_noun_in_the_number_of_the_count(n, noun, text):
+    assert counted(n, noun) == text

@@ -37,6 +37,8 @@ import statistics
 import time
 from pathlib import Path
 
+from ..evaluation.tables import counted
+
 ARMS = ("plain", "fixed", "best_fixed", "threshold", "scheduler", "async")
 FIXED_KS = (1, 2, 3, 5, 7)
 REPEATS = 2  # closed loops per arm and R, interleaved with the other arms' (plain before and after them)
@@ -292,7 +294,7 @@ def lockstep_pair(target, drafter, prompts: list[list[int]], concurrency: int, m
 LEGEND = (
     "Each row is one arm at one concurrency R: a closed loop serving 2·R prompts with at most R in flight, greedy, "
     "prefill included, each after an untimed warm-up (R prompts; to full length before an arm's first run at an R, "
-    "so the draft-or-not gate has learnt R's step costs); every arm ran {repeats} times per R, interleaved with the "
+    "so the draft-or-not gate has learnt R's step costs); every arm ran {times} per R, interleaved with the "
     "other arms ({order}), and the row "
     "shows its fastest run. "
     "**aggregate tok/s**: all tokens generated over the loop's wall time. **per-user median / p10**: each request's "
@@ -307,19 +309,19 @@ LEGEND = (
 )
 PAIRED_LEGEND = (
     " Paired protocol (`--concurrency-paired`): at each R plain batched decoding ran before every other closed loop "
-    "and once at the end, the other loops rotated each repetition, so plain ran {plain} times and the fastest-run "
+    "and once at the end, the other loops rotated each repetition, so plain ran {plain} and the fastest-run "
     "columns compare an arm's best of {repeats} with plain's best of more. **× adjacent plain**: each run's "
     "aggregate tok/s over the mean of the plain runs just before and just after it (the list in × plain), "
-    "median over the {repeats} runs and (min-max); then the median of the same ratio for the per-user median tok/s. "
+    "median over the {runs} and (min-max); then the median of the same ratio for the per-user median tok/s. "
     "Read this column on a machine whose speed drifts: the pairs share their minutes."
 )
 LOCKSTEP_LEGEND = (
     " Lockstep protocol (`--concurrency-lockstep`, `dspark_hf.bench.lockstep`): each run of an arm other than plain "
-    "ran in lockstep with a plain closed loop of its own ({plain} plain runs): one step of each in turn, in one "
+    "ran in lockstep with a plain closed loop of its own ({plain}): one step of each in turn, in one "
     "process, each loop's time the sum of its own steps (its forward, drafting and bookkeeping; never the other's), "
     "so the machine's drift hits both alike; the first turn alternated between plain and the arm. Tok/s and step "
     "times are on those own times. **× plain in lockstep**: each run's aggregate tok/s over its plain partner's "
-    "(the list in × plain), median over the {repeats} runs and (min-max); then the median of the same ratio for the "
+    "(the list in × plain), median over the {runs} and (min-max); then the median of the same ratio for the "
     "per-user median tok/s."
 )
 
@@ -342,14 +344,14 @@ def markdown(result: dict) -> str:
         per_run = r.get("speed_vs_plain_paired") or []
         speed = f"{r['speed_vs_plain']:.2f}" + (f" ({' / '.join(f'{x:.2f}' for x in per_run)})" if len(per_run) > 1 else "")
         if paired:
-            speed += (f" | {r['paired_median']:.3f} ({r['paired_range'][0]:.2f}-{r['paired_range'][1]:.2f}); "
+            speed += (f" | {r['paired_median']:.3f} ({r['paired_range'][0]:.3f}-{r['paired_range'][1]:.3f}); "
                       f"{r['paired_median_per_user']:.3f}" if r.get("paired_median") is not None else " | —")
         lines.append(f"| {r['concurrency']} | {arm} | {r['aggregate_tok_s']:.1f} | "
                      f"{r['per_user_tok_s_median']:.1f} / {r['per_user_tok_s_p10']:.1f} | {speed} | "
                      f"{r['verified_per_request']:.2f} | {r['tau']:.2f} | {r['rejected_drafts']} | "
                      f"{r['drafting_steps']}/{r['steps']} | {r['step_ms_median']:.0f} | {error} | {r['mismatches']} |")
     repeats = settings.get("repeats", REPEATS)
-    legend = LEGEND.format(repeats=repeats, ks=", ".join(map(str, settings.get("fixed_ks", FIXED_KS))),
+    legend = LEGEND.format(times=counted(repeats, "time"), ks=", ".join(map(str, settings.get("fixed_ks", FIXED_KS))),
                            order="each in lockstep with plain, below" if lockstep else "in the paired order below"
                            if paired else "every other time in reverse order, so plain batched decoding runs first and last",
                            per_run="each run over its plain partner in lockstep (below)" if lockstep else
@@ -357,8 +359,9 @@ def markdown(result: dict) -> str:
     if paired:
         order = schedule(_runs_of(settings["arms"], settings["gamma"], settings["fixed_ks"]), repeats, True)
         plain = sum(loop == PLAIN for _, loop in order)
-        legend += (LOCKSTEP_LEGEND.format(repeats=repeats, plain=len(order) - plain) if lockstep else
-                   PAIRED_LEGEND.format(repeats=repeats, plain=plain))
+        runs = counted(repeats, "run")
+        legend += (LOCKSTEP_LEGEND.format(runs=runs, plain=counted(len(order) - plain, "plain run")) if lockstep else
+                   PAIRED_LEGEND.format(repeats=repeats, runs=runs, plain=counted(plain, "time")))
     return "\n".join(lines) + "\n\n" + legend + "\n"
 
 

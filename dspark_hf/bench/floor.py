@@ -4,6 +4,7 @@ default method with drafting forced off interleaved with plain ``generate`` (:fu
 
 from __future__ import annotations
 
+from ..evaluation.tables import counted
 from .analysis import first_divergence, floor_summary, prompt_floor
 from .loading import _log_default
 from .methods import Method, floor_methods, interleaved_runs
@@ -60,7 +61,7 @@ def floor_pass(target, drafters, methods: list[Method], suites, settings: BenchS
                 floor = per_prompt[arm.name][prompt_id] = prompt_floor(runs["plain"], runs[arm.name])
                 log(f"[floor] {suite} {index + 1}/{len(prompts)} {arm.name}: " + (
                     f"round {floor['round_ms']:.1f} ms / plain step {floor['plain_step_ms']:.1f} ms = "
-                    f"{floor['ratio']:.3f} ({floor['floor_rounds']} rounds)" if floor else "no floor rounds"))
+                    f"{floor['ratio']:.3f} ({counted(floor['floor_rounds'], 'round')})" if floor else "no floor rounds"))
         for name, floors in per_prompt.items():
             summary = floor_summary(floors)
             if summary is not None:

@@ -10,7 +10,7 @@ import torch
 
 from ..decoding.stats import full_rounds
 from ..evaluation.bench_result import BenchResult, as_bench_result
-from ..evaluation.tables import format_number, markdown_table
+from ..evaluation.tables import counted, format_number, markdown_table
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
@@ -56,7 +56,7 @@ def _header_section(result: BenchResult) -> list[str]:
         f"transformers {m.transformers} · linear kernels: {m.linear_kernels} · "
         f"runtime {result.runtime_s / 60:.1f} min",
         "",
-        f"γ = {s.gamma}, {s.max_new_tokens} new tokens, up to {s.limit} prompt{'s' * (s.limit != 1)} per suite "
+        f"γ = {s.gamma}, {s.max_new_tokens} new tokens, up to {counted(s.limit, 'prompt')} per suite "
         f"(≤ {s.max_prompt_tokens} prompt tokens): "
         + ", ".join(f"{n} {v.n_prompts}" for n, v in result.suites.items()) + ".",
         "",
@@ -102,7 +102,7 @@ def _confidence_section(result: BenchResult) -> list[str]:
         if cal is None:
             out += [f"**{name}**: no full rounds.", ""]
             continue
-        out += [f"**{name}** ({cal.rounds} rounds, all suites): mean ECE of a_k {100 * cal.mean_ece_before:.1f}% "
+        out += [f"**{name}** ({counted(cal.rounds, 'round')}, all suites): mean ECE of a_k {100 * cal.mean_ece_before:.1f}% "
                 f"before STS → {100 * cal.mean_ece_after:.1f}% after; best static threshold by modelled "
                 f"tokens/s (SPS curve + median draft cost): t = {format_number(entry.best_threshold, 1)}", ""]
         rows = [[p.position, p.survival_rate, 100 * p.ece_before, 100 * p.ece_after, p.roc_auc, p.n_conditional]
@@ -134,7 +134,7 @@ def _wall_clock_section(result: BenchResult) -> list[str]:
             "time" if repeats > 1 else "")
     if result.settings.lockstep:
         runs = (f"; each run of a method in lockstep with a plain `generate` of its own (one target forward of each "
-                f"in turn, each timed on its own turns: `--lockstep`), {repeats} such pair{'s' if repeats > 1 else ''} "
+                f"in turn, each timed on its own turns: `--lockstep`), {counted(repeats, 'such pair')} "
                 f"per prompt, a prompt's speedup the median of its pairs' ratios, its tok/s those of the median run")
     out = [f"## Wall clock (greedy; methods interleaved per prompt{runs})", "",
            f"Greedy outputs differing from plain `generate`: **{wall.mismatches_total}**", ""]
@@ -202,7 +202,7 @@ def _floor_section(result: BenchResult) -> list[str]:
                  _ratio(f.worst_ratio), f.worst_prompt] for method, per_suite in result.floor_pass.items() for suite, f in per_suite.items()]
         out += [f"**The floor** (pass 4): the default method with drafting forced off, so that every round verifies "
                 f"only the target's own token (planned as usual, nothing drafted, the drafter not run), interleaved "
-                f"with plain `generate` on the same prompts, {result.settings.floor_repeats} runs of each per prompt; "
+                f"with plain `generate` on the same prompts, {counted(result.settings.floor_repeats, 'run')} of each per prompt; "
                 "medians in ms over each prompt's rounds and steps, then over prompts. A round = the target's forward "
                 "(hidden states captured) + lookup planning + DSpark's bookkeeping (features collected, costs learnt, "
                 "online updates) + transformers' assisted loop (inputs, acceptance, cache crop, stopping); a plain "

@@ -67,6 +67,7 @@ from ..evaluation.bench_result import (
     SuiteRecord,
     WallClock,
 )
+from ..evaluation.tables import counted
 from ..metrics import conditional_acceptance, tau
 from .analysis import (
     best_threshold,
@@ -248,13 +249,13 @@ def _run_passes(target, drafters: dict, suites: dict, settings: BenchSettings, s
     """Passes 1-3 of :func:`run_bench` (notes appended to ``notes``); returns their tables by name."""
     # Pass 1: fixed-length rounds at T = 1.
     log(f"[bench] pass 1: T = {settings.sampling_temperature} fixed-length rounds (γ={settings.gamma}) of "
-        f"{len(drafters)} drafters on {sum(map(len, suites.values()))} prompts")
+        f"{counted(len(drafters), 'drafter')} on {counted(sum(map(len, suites.values())), 'prompt')}")
     sampled = sampled_rounds_pass(target, drafters, suites, settings, log)
 
     # Pass 2: wall clock, greedy, methods interleaved prompt by prompt; its fixed runs are the greedy τ rounds.
     adapters, builtin = builtin_adapters(drafters, settings.gamma, builtin_dflash)
     methods = plan_methods(drafters, adapters, settings)
-    log(f"[bench] pass 2: wall clock of {len(methods)} methods: {', '.join(m.name for m in methods)}")
+    log(f"[bench] pass 2: wall clock of {counted(len(methods), 'method')}: {', '.join(m.name for m in methods)}")
     records = wall_clock_pass(target, drafters, methods, suites, settings, log)
     stats = {"greedy": greedy_rounds(records, drafters), "t1": sampled}
     taus, cond, ratios = tau_tables(stats, list(suites), settings.gamma)
@@ -280,7 +281,7 @@ def _run_passes(target, drafters: dict, suites: dict, settings: BenchSettings, s
     # Pass 4: the floor, the default methods with drafting forced off, interleaved with plain.
     if settings.floor_repeats and floor_methods(methods):
         log(f"[bench] pass 4: the floor of {', '.join(m.name for m in floor_methods(methods))} with drafting off, "
-            f"against plain, {settings.floor_repeats} times per prompt")
+            f"against plain, {counted(settings.floor_repeats, 'time')} per prompt")
     floor_passed, floor_mismatches = floor_pass(target, drafters, methods, suites, settings, log)
     mismatches += floor_mismatches
     return {"stats": stats, "records": records, "taus": taus, "cond": cond, "ratios": ratios,

@@ -51,6 +51,7 @@ def run(args):
     from ..bench.report import markdown_report, write_report
     from ..bench.runner import run_bench
     from ..bench.suites import LONG_TOKENS, SUITES, encode_suites, suite_texts
+    from ..evaluation.tables import counted
 
     started = time.perf_counter()
     try:
@@ -75,9 +76,9 @@ def run(args):
     for name, n in skipped.items():
         if n:
             window = "outside {}-{} tokens".format(*LONG_TOKENS) if name == "long" else f"longer than {settings.max_prompt_tokens} tokens"
-            notes.append(f"suite {name!r}: {n} prompts {window} skipped.")
+            notes.append(f"suite {name!r}: {counted(n, 'prompt')} {window} skipped.")
         if len(suites[name]) < settings.limit:
-            notes.append(f"suite {name!r} has only {len(suites[name])} prompts (limit {settings.limit}).")
+            notes.append(f"suite {name!r} has only {counted(len(suites[name]), 'prompt')} (limit {settings.limit}).")
     empty = [n for n, p in suites.items() if not p]
     if empty:
         sys.exit(f"Suites without prompts: {empty}")
@@ -88,7 +89,7 @@ def run(args):
     result.runtime_s = time.perf_counter() - started  # loading included
     if args.out:
         path = write_report(result, raw, args.out, drafters)
-        print(f"wrote {path}, {Path(args.out) / 'benchmarks.md'} and {len(result.plots)} plots", file=sys.stderr)
+        print(f"wrote {path}, {Path(args.out) / 'benchmarks.md'} and {counted(len(result.plots), 'plot')}", file=sys.stderr)
     if args.json:
         print(result.dumps(), end="")
     elif not args.out:

@@ -1,4 +1,5 @@
-"""The one Markdown table helper and the one number format of the bench report and the model card."""
+"""The one Markdown table helper, the one number format and the one way to count things of the bench report and the
+model card."""
 
 from __future__ import annotations
 
@@ -29,3 +30,10 @@ def format_number(value, digits: int | None = None) -> str:
     if digits is None:
         digits = 3 if abs(value) < 1 else 2 if abs(value) < 100 else 1
     return f"{value:.{digits}f}"
+
+
+def counted(n: int, noun: str) -> str:
+    """A count with its noun in the number the count takes: ``counted(1, "prompt")`` is ``"1 prompt"``,
+    ``counted(3, "prompt")`` and ``counted(0, "prompt")`` are ``"3 prompts"`` / ``"0 prompts"`` (regular plurals:
+    the ``s`` goes on the last word, so a noun phrase works: ``counted(2, "plain run")`` is ``"2 plain runs"``)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
