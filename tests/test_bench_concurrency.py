@@ -104,7 +104,8 @@ def test_lockstep_run_reports_each_arms_median_ratio_to_its_plain_partner(monkey
     assert (async_["paired_median"], async_["paired_range"]) == (pytest.approx(1.0), pytest.approx([0.9, 1.1]))
     assert scheduler["paired_median_per_user"] == pytest.approx(1.25)
     assert result["settings"]["protocol"] == "lockstep"
-    assert lines[0] == "R=1 run 1/3 scheduler: 9.0 tok/s, 0/1 drafting steps; in lockstep with plain 10.0 tok/s, × 0.900"
+    assert lines[0] == result["notes"][0]  # one prompt for 2 requests: the note comes first
+    assert lines[1] == "R=1 run 1/3 scheduler: 9.0 tok/s, 0/1 drafting steps; in lockstep with plain 10.0 tok/s, × 0.900"
     table = markdown(result)
     assert "× plain in lockstep: median (range); per user |" in table
     assert "| 1 | scheduler | 12.0 | 6.0 / 3.0 | 1.00 (0.90 / 1.50 / 1.25) | 1.250 (0.900-1.500); 1.250 |" in table
@@ -127,3 +128,29 @@ def test_the_legend_counts_runs_in_the_right_number(protocol, counts):
     for text in counts:
         assert text in table
     assert "1 times" not in table and "1 runs" not in table
+
+
+def test_fewer_prompts_than_requests_repeat_in_turn_with_a_note(monkeypatch):
+    """3 distinct prompts: R = 1 serves 2 of them, R = 2 and R = 3 need 4 and 6 requests, so the prompts repeat in
+    turn; the note says so and names --limit, and the settings record the 3."""
+    batches = []
+
+    def scripted(target, drafter, prompts, concurrency, max_new_tokens, mode, k, warm_up_tokens):
+        batches.append((concurrency, prompts))
+        row = {"arm": mode, "concurrency": concurrency, "requests": len(prompts), "aggregate_tok_s": 1.0,
+               "per_user_tok_s_median": 1.0, "per_user_tok_s_p10": 1.0, "tau": 1.0, "verified_per_request": 1.0,
+               "rejected_drafts": 0, "drafting_steps": 0, "steps": 1, "step_ms_median": 1.0,
+               "predicted_step_error_median": None}
+        return row, [[5]] * len(prompts)
+
+    monkeypatch.setattr(concurrency, "run_arm", scripted)
+    lines = []
+    result = run_concurrency(None, None, [[1], [2], [3]], [1, 2, 3], 2, 7, arms=("plain",), log=lines.append,
+                             repeats=1)
+    assert batches == [(1, [[1], [2]]), (2, [[1], [2], [3], [1]]), (3, [[1], [2], [3], [1], [2], [3]])]
+    note = ("R = 2, 3: the closed loop serves 2·R requests from 3 distinct prompts, which repeat in turn; a larger "
+            "--limit (prompts per suite) gives more distinct ones (6 for R = 3).")
+    assert result["notes"] == [note] and lines[0] == note
+    assert result["settings"]["distinct_prompts"] == 3
+    enough = run_concurrency(None, None, [[1], [2], [3], [3]], [1], 2, 7, arms=("plain",), log=lines.append, repeats=1)
+    assert enough["notes"] == [] and enough["settings"]["distinct_prompts"] == 3  # a repeated prompt counts once

@@ -264,3 +264,26 @@ def test_bench_notes_count_prompts_in_the_right_number(no_loading, monkeypatch):
         cli.main(["bench", "--limit", "2", "--suites", "chat", "--max-new-tokens", "8"])
     assert ran.value.args[0] == ["suite 'chat': 1 prompt longer than 320 tokens skipped.",
                                  "suite 'chat' has only 1 prompt (limit 2)."]
+
+
+@pytest.mark.parametrize(("levels", "message"), [("0", "must be in 1.., got 0"), ("2,x", "expected an integer, got 'x'"),
+                                                 ("1,,2", "expected an integer, got ''")])
+def test_bad_concurrency_levels_are_refused_while_parsing(no_loading, capsys, levels, message):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", "--concurrency", levels])
+    assert exit_.value.code == 2
+    assert f"argument --concurrency: {message}" in capsys.readouterr().err
+
+
+def test_concurrency_bench_takes_the_suites_prompts_in_turn(no_loading, monkeypatch, capsys):
+    """Levels reach the bench parsed; a shorter suite drops out of the turn instead of cutting the others short."""
+    seen = []
+    monkeypatch.setattr(bench, "load_cli_target", lambda args: (None, None))
+    monkeypatch.setattr("dspark_hf.bench.loading.load_drafters", lambda *args: ({"dspark": None}, {}, []))
+    monkeypatch.setattr("dspark_hf.bench.suites.suite_texts", lambda *args: {})
+    suites = {"code": [("c1", [1]), ("c2", [2]), ("c3", [3])], "chat": [("h1", [4])]}
+    monkeypatch.setattr("dspark_hf.bench.suites.encode_suites", lambda *args: (suites, {}))
+    monkeypatch.setattr("dspark_hf.bench.concurrency.run_concurrency", lambda target, drafter, prompts, levels, *args,
+                        **kwargs: seen.append((prompts, levels)) or {"rows": [], "settings": {}})
+    cli.main(["bench", "--concurrency", "1,4", "--limit", "3", "--suites", "code,chat"])
+    assert seen == [([[1], [4], [2], [3]], [1, 4])]

@@ -161,10 +161,22 @@ def adjacent_ratios(timeline: list[tuple[tuple[str, int], float]]) -> dict[tuple
     return ratios
 
 
+def repeat_note(distinct: int, levels: list[int]) -> str | None:
+    """The note for the levels whose closed loop serves more requests (``2·R``) than there are ``distinct`` prompts,
+    which then repeat in turn; ``None`` when every level has enough."""
+    short = [r for r in levels if 2 * r > distinct]
+    if not short:
+        return None
+    return (f"R = {', '.join(map(str, short))}: the closed loop serves 2·R requests from "
+            f"{counted(distinct, 'distinct prompt')}, which repeat in turn; a larger --limit (prompts per suite) "
+            f"gives more distinct ones ({2 * max(short)} for R = {max(short)}).")
+
+
 def run_concurrency(target, drafter, prompts: list[list[int]], levels: list[int], max_new_tokens: int, gamma: int,
                     arms=ARMS, log=print, fixed_ks=FIXED_KS, repeats: int = REPEATS, paired: bool = False,
                     lockstep: bool = False) -> dict:
-    """Every arm at every concurrency level; ``2·R`` prompts per level (prompts repeat if there are fewer).
+    """Every arm at every concurrency level; ``2·R`` prompts per level (with fewer prompts they repeat in turn:
+    request i gets ``prompts[i % len(prompts)]``, and :func:`repeat_note` says so, logged first).
 
     At each R the arms' closed loops run ``repeats`` times, interleaved, every other repetition in reverse order
     (plain first, then last, ...), so the baseline sees the same machine as the drafting arms; each arm's row is
@@ -181,7 +193,8 @@ def run_concurrency(target, drafter, prompts: list[list[int]], levels: list[int]
     ``paired_*`` fields summarise those ratios.
 
     Returns:
-        ``{"rows": [...], "settings": {...}}`` with one row per (arm, R) as :func:`run_arm` makes it, plus
+        ``{"rows": [...], "settings": {...}, "notes": [...]}`` (``settings["distinct_prompts"]``: how many different
+        prompts the requests got) with one row per (arm, R) as :func:`run_arm` makes it, plus
         ``tok_s_runs`` and ``drafting_steps_runs`` (aggregate tok/s and drafting steps of each repetition),
         ``speed_vs_plain``, ``speed_vs_plain_paired`` and ``mismatches`` (greedy outputs of any repetition differing
         from ``plain``'s); ``best_fixed`` rows (the fastest fixed k at this R, ``fixed_ks`` the k tried) add ``k``
@@ -202,6 +215,10 @@ def run_concurrency(target, drafter, prompts: list[list[int]], levels: list[int]
         raise ValueError(f"repeats must be >= 1, got {repeats}.")
     rows, loops = [], _runs_of(arms, gamma, fixed_ks)
     order = schedule(loops, repeats, paired or lockstep)
+    distinct = len({tuple(p) for p in prompts})
+    notes = [note for note in (repeat_note(distinct, levels),) if note]
+    for note in notes:
+        log(note)
     for concurrency in levels:
         batch = [prompts[i % len(prompts)] for i in range(2 * concurrency)]
         runs = {loop: [] for loop in loops}  # (mode, γ) -> [(row, outputs) per run]
@@ -257,13 +274,14 @@ def run_concurrency(target, drafter, prompts: list[list[int]], levels: list[int]
                 f"τ {row['tau']:.2f}, mismatches {row['mismatches']}"
                 + (f", × {'lockstep' if lockstep else 'adjacent'} plain median {row['paired_median']:.3f}"
                    if ratios else ""))
-    return {"rows": rows, "settings": {"levels": list(levels), "max_new_tokens": max_new_tokens, "gamma": gamma,
-                                       "arms": list(arms), "fixed_ks": list(fixed_ks), "prompts_per_level": "2·R",
-                                       "repeats": repeats,
-                                       "protocol": "lockstep" if lockstep else "paired" if paired else "interleaved",
-                                       "reported": "fastest repetition per arm, interleaved"
-                                       + ("; median ratio to the adjacent plain runs" if paired else "")
-                                       + ("; median ratio to its plain partner in lockstep" if lockstep else "")}}
+    return {"rows": rows, "notes": notes,
+            "settings": {"levels": list(levels), "max_new_tokens": max_new_tokens, "gamma": gamma, "arms": list(arms),
+                         "fixed_ks": list(fixed_ks), "prompts_per_level": "2·R", "distinct_prompts": distinct,
+                         "repeats": repeats,
+                         "protocol": "lockstep" if lockstep else "paired" if paired else "interleaved",
+                         "reported": "fastest repetition per arm, interleaved"
+                         + ("; median ratio to the adjacent plain runs" if paired else "")
+                         + ("; median ratio to its plain partner in lockstep" if lockstep else "")}}
 
 
 def lockstep_pair(target, drafter, prompts: list[list[int]], concurrency: int, max_new_tokens: int,

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..defaults import DEFAULT_BENCH_DRAFTERS
-from .common import add_command, load_cli_target
+from .common import _int_in, add_command, load_cli_target
 
 if TYPE_CHECKING:
     from ..bench.settings import BenchSettings
@@ -97,17 +97,15 @@ def run(args):
 
 
 def _run_concurrency(args, target, drafters, suites, settings):
-    """``--concurrency``: the many-requests bench (:mod:`dspark_hf.bench.concurrency`) with the first drafter."""
+    """``--concurrency``: the many-requests bench (:mod:`dspark_hf.bench.concurrency`) with the first drafter, on
+    the suites' prompts taken in turn (one of each suite, then the next of each, ...; a shorter suite drops out)."""
     from ..bench.concurrency import markdown, run_concurrency, write
 
-    try:
-        levels = [int(r) for r in args.concurrency.split(",")]
-    except ValueError:
-        sys.exit(f"dspark bench: --concurrency takes comma-separated integers, got {args.concurrency!r}")
     name, drafter = next(iter(drafters.items()))
-    prompts = [ids for pairs in zip(*suites.values()) for _, ids in pairs] or next(iter(suites.values()))
-    result = run_concurrency(target, drafter, [list(map(int, p)) for p in prompts], levels, settings.max_new_tokens,
-                             settings.gamma, arms=args.concurrency_arms,
+    queues = [[ids for _, ids in pairs] for pairs in suites.values()]
+    prompts = [queue[i] for i in range(max(map(len, queues))) for queue in queues if i < len(queue)]
+    result = run_concurrency(target, drafter, [list(map(int, p)) for p in prompts], args.concurrency,
+                             settings.max_new_tokens, settings.gamma, arms=args.concurrency_arms,
                              log=lambda line: print(line, file=sys.stderr), repeats=args.concurrency_repeats,
                              paired=args.concurrency_paired, lockstep=args.concurrency_lockstep)
     result["settings"].update(drafter=name, command=shlex.join(["dspark", *sys.argv[1:]]))
@@ -115,6 +113,12 @@ def _run_concurrency(args, target, drafters, suites, settings):
         paths = write(result, args.out)
         print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
     print(markdown(result))
+
+
+def _levels(text: str) -> list[int]:
+    """argparse type of ``--concurrency``: comma-separated concurrency levels R, each an integer >= 1 (checked while
+    the flags are parsed, before anything loads)."""
+    return [_int_in(1)(level) for level in text.split(",")]
 
 
 def add_parser(sub):
@@ -139,11 +143,11 @@ def add_parser(sub):
     p.add_argument("--no-builtin-dflash", action="store_true", help="skip the built-in speculation_type='dflash' path")
     p.add_argument("--out", default=None, help="folder for benchmarks.json, benchmarks.md and the PNGs (e.g. docs)")
     p.add_argument("--json", action="store_true", help="print the JSON to stdout")
-    p.add_argument("--concurrency", default=None, help="comma-separated R, e.g. 1,2,4,8: instead of the single-request "
-                                                       "bench, serve 2·R prompts with R in flight through plain batched "
-                                                       "decoding, fixed γ, the best fixed k per R, threshold, "
-                                                       "Algorithm 1 and async "
-                                                       "(concurrency.json/.md and two PNGs in --out)")
+    p.add_argument("--concurrency", default=None, type=_levels,
+                   help="comma-separated R, e.g. 1,2,4,8: instead of the single-request bench, serve 2·R prompts with R "
+                        "in flight through plain batched decoding, fixed γ, the best fixed k per R, threshold, "
+                        "Algorithm 1 and async (concurrency.json/.md and two PNGs in --out); with fewer prompts "
+                        "than 2·R (--limit per suite) the prompts repeat in turn")
     p.add_argument("--concurrency-repeats", type=int, default=REPEATS,
                    help=f"with --concurrency: timed closed loops per arm and R, interleaved, the fastest reported "
                         f"(default {REPEATS}; 5 or more with --concurrency-paired)")
