@@ -467,6 +467,40 @@ def test_right_padding_and_streamers_raise(target, drafter, forward_calls):
     assert not forward_calls
 
 
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(num_beams=2), "not beam_search; set num_beams=1"),
+    (dict(num_beams=2, do_sample=True), "not beam_sample; set num_beams=1"),
+    (dict(num_return_sequences=2), "one sequence per prompt; set num_return_sequences=1"),
+    (dict(dspark_verification="fixed"), "- dspark_verification: pass verification="),
+    (dict(temperature=0.7), r"- temperature: a generation setting; pass its processor in logits_processor="),
+    (dict(max_requests=2), "- max_requests: pass max_concurrency="),
+    (dict(verificaton="fixed"), r"- verificaton: neither a setting nor a generate keyword \(a typo\?\)"),
+])
+def test_generate_concurrent_refuses_generate_options_before_compute(target, drafter, forward_calls, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        generate_concurrent(target, drafter, PROMPTS[:2], max_concurrency=2, max_new_tokens=4, **kwargs)
+    assert not forward_calls
+
+
+def test_generate_concurrent_refuses_beams_as_batched_generate_does(target, drafter, forward_calls):
+    """One check, one message: beam search refused alike by the closed loop and by batched generate; num_beams=1
+    and num_return_sequences=1 are the no-ops they are."""
+    ids, mask = left_padded(PROMPTS[:2])
+    messages = []
+    for call in (lambda: generate_concurrent(target, drafter, PROMPTS[:2], max_new_tokens=4, num_beams=2),
+                 lambda: target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=4,
+                                         num_beams=2)):
+        with pytest.raises(ValueError) as error:
+            call()
+        messages.append(str(error.value))
+    assert messages == ["DSpark drafting works with greedy decoding or sampling, not beam_search; set num_beams=1 "
+                        "(and drop beam/contrastive options)."] * 2
+    assert not forward_calls
+    plain = generate_concurrent(target, None, PROMPTS[:2], max_new_tokens=4)[0]
+    assert generate_concurrent(target, None, PROMPTS[:2], max_new_tokens=4, num_beams=1,
+                               num_return_sequences=1)[0] == plain
+
+
 def test_engine_rejects_bad_requests(target, drafter):
     with pytest.raises(ValueError, match="max_concurrency"):
         generate_concurrent(target, drafter, [[1]], max_concurrency=0)

@@ -6,14 +6,16 @@ forward per step, each finishing on its own.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Sequence
 
 import torch
+from transformers import GenerationConfig
 
 from ..modeling.modeling_dspark import DSparkDrafter
 from .concurrent import ConcurrentDecoder
 from .request import Request
-from .settings import _reject_stateful_processors, call_block_size
+from .settings import _reject_stateful_processors, _validate_decoding_mode, call_block_size
 from .stats import BatchStats, publish_stats
 from .stopping import ROUND_EXACT_CRITERIA
 
@@ -38,8 +40,11 @@ def generate_concurrent(target, drafter: DSparkDrafter | None, prompts: Iterable
         (``stats[i]`` for prompt ``i``).
 
     Raises:
-        ValueError: ``max_concurrency < 1``, an empty prompt; as :class:`ConcurrentDecoder`.
+        ValueError: ``max_concurrency < 1``, an empty prompt, a keyword of ``generate`` that is not a
+            :class:`ConcurrentDecoder` setting (:func:`_decoder_settings`: beam search,
+            ``num_return_sequences > 1``, a streamer...); as :class:`ConcurrentDecoder`.
     """
+    decoder_kwargs = _decoder_settings(decoder_kwargs)
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}.")
     queue = list(prompts)
@@ -56,6 +61,46 @@ def generate_concurrent(target, drafter: DSparkDrafter | None, prompts: Iterable
                 if on_tokens is not None and tokens:
                     on_tokens(index, tokens)
     return [r.generated for r in decoder.requests], decoder.stats
+
+
+# ConcurrentDecoder's settings that generate_concurrent passes on (max_requests is its max_concurrency)
+DECODER_SETTINGS = tuple(name for name, p in inspect.signature(ConcurrentDecoder.__init__).parameters.items()
+                         if p.kind is p.KEYWORD_ONLY and name != "max_requests")
+# generate's keywords with a counterpart in generate_concurrent: what to pass instead
+GENERATE_COUNTERPARTS = {
+    "streamer": "on_tokens=lambda index, new_ids: ... (called after every step with each prompt's new tokens)",
+    "max_requests": "max_concurrency=", "num_assistant_tokens": "block_size=", "dspark_block_size": "block_size=",
+    "dspark_verification": "verification=", "dspark_threshold": "threshold=", "dspark_lookup": "lookup=",
+    "eos_token_id": "eos_token_ids=", "stop_strings": "stop=lambda request, ids: ... (True ends the request)",
+    "stopping_criteria": "stop=lambda request, ids: ... (True ends the request)",
+    "assistant_model": "the drafter as the second argument",
+}
+
+
+def _decoder_settings(options: dict) -> dict:
+    """The :data:`DECODER_SETTINGS` among the keywords of :func:`generate_concurrent`, the others refused before any
+    compute. ``num_beams`` and ``num_return_sequences`` go through the check ``generate`` runs
+    (:func:`~dspark_hf.decoding.settings._validate_decoding_mode`), so ``num_beams=1`` and
+    ``num_return_sequences=1`` pass (and are dropped) as the no-ops they are.
+
+    Raises:
+        ValueError: beam search, ``num_return_sequences > 1``, or any other keyword that is not a setting, each
+            with what to pass instead (:data:`GENERATE_COUNTERPARTS`; a generation setting such as ``temperature``
+            goes into ``logits_processor=``).
+    """
+    mode = GenerationConfig(num_beams=options.get("num_beams") or 1,
+                            do_sample=bool(options.get("do_sample"))).get_generation_mode()
+    _validate_decoding_mode(mode, options.get("num_return_sequences"))
+    others = [name for name in options if name not in (*DECODER_SETTINGS, "num_beams", "num_return_sequences")]
+    if not others:
+        return {name: value for name, value in options.items() if name in DECODER_SETTINGS}
+    fields = GenerationConfig().to_dict()
+    fixes = [f"{name}: pass {GENERATE_COUNTERPARTS[name]}" if name in GENERATE_COUNTERPARTS else
+             f"{name}: a generation setting; pass its processor in logits_processor=LogitsProcessorList([...]) "
+             "(e.g. TemperatureLogitsWarper, TopKLogitsWarper; do_sample=True samples)" if name in fields else
+             f"{name}: neither a setting nor a generate keyword (a typo?)" for name in others]
+    raise ValueError(f"generate_concurrent takes ConcurrentDecoder's settings ({', '.join(DECODER_SETTINGS)}), "
+                     "and not:\n- " + "\n- ".join(fixes))
 
 
 def _left_padded_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:

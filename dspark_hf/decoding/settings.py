@@ -105,15 +105,36 @@ def _reject_stateful_processors(logits_processor) -> None:
                          "(it calls them on drafted and on every verified position):\n- " + "\n- ".join(problems))
 
 
-def _validate_dspark_call(generation_mode, generation_config):
-    """Reject what DSpark decoding cannot do, before any compute, naming the fix."""
-    if generation_mode != GenerationMode.ASSISTED_GENERATION:
+# greedy decoding or sampling: transformers' modes for them, without and with an assistant
+DECODING_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.ASSISTED_GENERATION)
+
+
+def _validate_decoding_mode(generation_mode: GenerationMode, num_return_sequences: int | None) -> None:
+    """Greedy decoding or sampling, one sequence per prompt: the decoding DSpark does, in ``generate`` (one prompt or
+    a batch) and in :func:`~dspark_hf.decoding.batch_generate.generate_concurrent`.
+
+    Args:
+        generation_mode: transformers' mode of the call (``GenerationConfig.get_generation_mode``: one of
+            :data:`DECODING_MODES` for greedy decoding or sampling).
+        num_return_sequences: sequences asked per prompt (``None``: one).
+
+    Raises:
+        ValueError: another mode (beam search, contrastive search...), or ``num_return_sequences > 1``, naming
+            the fix.
+    """
+    if generation_mode not in DECODING_MODES:
         raise ValueError(
             f"DSpark drafting works with greedy decoding or sampling, not {generation_mode.value}; "
             "set num_beams=1 (and drop beam/contrastive options)."
         )
-    if generation_config.num_return_sequences and generation_config.num_return_sequences > 1:
-        raise ValueError("DSpark drafting returns one sequence per call; set num_return_sequences=1.")
+    if num_return_sequences and num_return_sequences > 1:
+        raise ValueError("DSpark drafting returns one sequence per prompt; set num_return_sequences=1 (to draw "
+                         "several samples of a prompt, pass it several times).")
+
+
+def _validate_dspark_call(generation_mode, generation_config):
+    """Reject what DSpark decoding cannot do, before any compute, naming the fix."""
+    _validate_decoding_mode(generation_mode, generation_config.num_return_sequences)
     if generation_config.output_hidden_states and generation_config.return_dict_in_generate:
         raise ValueError(
             "output_hidden_states=True is not supported with a DSpark drafter (the drafter requests only its "
