@@ -17,8 +17,17 @@ from conftest import (
     tiny_llama,
     tiny_sps_curve,
 )
-from test_generation import LEAK_TOKEN, SV, chi_square, coin_flip_plan, cycle_prompt, exact_laws, sampling_drafter
-from transformers import StoppingCriteria, StoppingCriteriaList
+from test_generation import (
+    LEAK_TOKEN,
+    SV,
+    char_tokenizer,
+    chi_square,
+    coin_flip_plan,
+    cycle_prompt,
+    exact_laws,
+    sampling_drafter,
+)
+from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 from transformers.generation.streamers import BaseStreamer
 
 from dspark_hf import ConcurrentDecoder, generate_concurrent
@@ -461,9 +470,11 @@ def test_right_padding_and_streamers_raise(target, drafter, forward_calls):
         target.generate(input_ids=ids, attention_mask=torch.tensor([[1, 0, 0], [1, 1, 1]]), assistant_model=drafter,
                         max_new_tokens=4)
     ids, mask = left_padded(PROMPTS[:2])
-    with pytest.raises(ValueError, match="one row"):
+    with pytest.raises(ValueError) as streamed:  # a streamer that takes a batch: DSpark's check names on_tokens
         target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=4,
                         streamer=Silent())
+    assert str(streamed.value) == ("Streamers take one row; with a batch, use dspark_hf.generate_concurrent(..., "
+                                   "on_tokens=...) or call generate once per prompt.")
     assert not forward_calls
 
 
@@ -499,6 +510,54 @@ def test_generate_concurrent_refuses_beams_as_batched_generate_does(target, draf
     plain = generate_concurrent(target, None, PROMPTS[:2], max_new_tokens=4)[0]
     assert generate_concurrent(target, None, PROMPTS[:2], max_new_tokens=4, num_beams=1,
                                num_return_sequences=1)[0] == plain
+
+
+def test_transformers_text_streamer_streams_one_prompt_and_is_refused_for_many(target, drafter, forward_calls,
+                                                                              capsys):
+    """transformers' TextStreamer takes one row: a batch in generate makes it raise its own error when generate streams
+    the prompts (before DSpark's check of streamers, which test_right_padding_and_streamers_raise pins), and
+    generate_concurrent refuses it naming on_tokens (the closed loop's streaming callback), both before any compute;
+    with one prompt it prints what generate returns."""
+    tok = char_tokenizer()
+    ids, mask = left_padded(PROMPTS[:2])
+    with pytest.raises(ValueError) as batched:
+        target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=4,
+                        streamer=TextStreamer(tok))
+    assert str(batched.value) == "TextStreamer only supports batch size 1"
+    with pytest.raises(ValueError, match=r"\n- streamer: pass on_tokens=lambda index, new_ids: \.\.\. \(called after "
+                                         r"every step with each prompt's new tokens\)$"):
+        generate_concurrent(target, drafter, PROMPTS[:2], max_new_tokens=4, streamer=TextStreamer(tok))
+    assert not forward_calls
+    prompt = torch.tensor([PROMPTS[2]])
+    out = target.generate(prompt, attention_mask=torch.ones_like(prompt), assistant_model=drafter, max_new_tokens=6,
+                          streamer=TextStreamer(tok, skip_prompt=True))
+    printed = tok.decode(out[0, prompt.shape[1]:])
+    assert len(printed) == 6 and capsys.readouterr().out == printed + "\n"
+
+
+def test_num_return_sequences_above_one_is_refused_every_way_in(target, drafter, forward_calls):
+    """Sampled, one prompt, a batch and the closed loop give DSpark's one message; greedy generate is refused by
+    transformers' own check first; all before any compute."""
+    ids, mask = left_padded(PROMPTS[:2])
+    one = torch.tensor([PROMPTS[0]])
+    ours = ("DSpark drafting returns one sequence per prompt; set num_return_sequences=1 (to draw several samples of "
+            "a prompt, pass it several times).")
+    for call in (
+        lambda: target.generate(one, attention_mask=torch.ones_like(one), assistant_model=drafter, max_new_tokens=4,
+                                do_sample=True, num_return_sequences=2),
+        lambda: target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=4,
+                                do_sample=True, num_return_sequences=2),
+        lambda: generate_concurrent(target, drafter, PROMPTS[:2], max_new_tokens=4, do_sample=True,
+                                    num_return_sequences=2),
+        lambda: generate_concurrent(target, drafter, PROMPTS[:2], max_new_tokens=4, num_return_sequences=2),
+    ):
+        with pytest.raises(ValueError) as error:
+            call()
+        assert str(error.value) == ours
+    with pytest.raises(ValueError, match=r"Greedy methods .* do not support `num_return_sequences` different than 1"):
+        target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=4,
+                        num_return_sequences=2)
+    assert not forward_calls
 
 
 def test_engine_rejects_bad_requests(target, drafter):
