@@ -8,6 +8,20 @@ from dspark_hf.bench.concurrency import PLAIN, adjacent_ratios, check_arms, mark
 S, A = ("scheduler", 7), ("async", 7)
 
 
+def scripted_arm(loops):
+    """A stand-in for :func:`concurrency.run_arm` that records ``(R, prompts)`` of each closed loop in ``loops`` and
+    reports 1 tok/s, each request generating ``[5]``."""
+    def run_arm(target, drafter, prompts, concurrency, max_new_tokens, mode, k, warm_up_tokens):
+        loops.append((concurrency, prompts))
+        row = {"arm": mode, "concurrency": concurrency, "requests": len(prompts), "aggregate_tok_s": 1.0,
+               "per_user_tok_s_median": 1.0, "per_user_tok_s_p10": 1.0, "tau": 1.0, "verified_per_request": 1.0,
+               "rejected_drafts": 0, "drafting_steps": 0, "steps": 1, "step_ms_median": 1.0,
+               "predicted_step_error_median": None}
+        return row, [[5]] * len(prompts)
+
+    return run_arm
+
+
 def test_paired_schedule_puts_plain_around_every_run_and_rotates_the_others():
     assert schedule([PLAIN, S, A], 3, paired=True) == [
         (0, PLAIN), (0, S), (0, PLAIN), (0, A),
@@ -134,22 +148,13 @@ def test_fewer_prompts_than_requests_repeat_in_turn_with_a_note(monkeypatch):
     """3 distinct prompts: R = 1 serves 2 of them, R = 2 and R = 3 need 4 and 6 requests, so the prompts repeat in
     turn; the note says so and names --limit, and the settings record the 3."""
     batches = []
-
-    def scripted(target, drafter, prompts, concurrency, max_new_tokens, mode, k, warm_up_tokens):
-        batches.append((concurrency, prompts))
-        row = {"arm": mode, "concurrency": concurrency, "requests": len(prompts), "aggregate_tok_s": 1.0,
-               "per_user_tok_s_median": 1.0, "per_user_tok_s_p10": 1.0, "tau": 1.0, "verified_per_request": 1.0,
-               "rejected_drafts": 0, "drafting_steps": 0, "steps": 1, "step_ms_median": 1.0,
-               "predicted_step_error_median": None}
-        return row, [[5]] * len(prompts)
-
-    monkeypatch.setattr(concurrency, "run_arm", scripted)
+    monkeypatch.setattr(concurrency, "run_arm", scripted_arm(batches))
     lines = []
     result = run_concurrency(None, None, [[1], [2], [3]], [1, 2, 3], 2, 7, arms=("plain",), log=lines.append,
                              repeats=1)
     assert batches == [(1, [[1], [2]]), (2, [[1], [2], [3], [1]]), (3, [[1], [2], [3], [1], [2], [3]])]
-    note = ("R = 2, 3: the closed loop serves 2·R requests from 3 distinct prompts, which repeat in turn; a larger "
-            "--limit (prompts per suite) gives more distinct ones (6 for R = 3).")
+    note = ("R = 2, 3: the closed loop serves 2·R requests from 3 distinct prompts, taken in turn and repeated; a "
+            "larger --limit (prompts per suite) gives more distinct ones (6 for R = 3).")
     assert result["notes"] == [note] and lines[0] == note
     assert result["settings"]["distinct_prompts"] == 3
     enough = run_concurrency(None, None, [[1], [2], [3], [3]], [1], 2, 7, arms=("plain",), log=lines.append, repeats=1)

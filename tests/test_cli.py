@@ -1,6 +1,7 @@
 """The `dspark` command line: options every compute command shares, and bad inputs refused with a clear message
 before any model loads (issue 15, class 4)."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -287,3 +288,25 @@ def test_concurrency_bench_takes_the_suites_prompts_in_turn(no_loading, monkeypa
                         **kwargs: seen.append((prompts, levels)) or {"rows": [], "settings": {}})
     cli.main(["bench", "--concurrency", "1,4", "--limit", "3", "--suites", "code,chat"])
     assert seen == [([[1], [4], [2], [3]], [1, 4])]
+
+
+def test_concurrency_bench_notes_reach_stderr_and_its_files(no_loading, monkeypatch, capsys, tmp_path):
+    """The command's notes and the bench's own go to stderr before the run, and into concurrency.json and .md."""
+    from test_bench_concurrency import scripted_arm
+
+    monkeypatch.setattr(bench, "load_cli_target", lambda args: (None, None))
+    monkeypatch.setattr("dspark_hf.bench.loading.load_drafters", lambda *args: ({"dspark": None}, {}, []))
+    monkeypatch.setattr("dspark_hf.bench.suites.suite_texts", lambda *args: {})
+    monkeypatch.setattr("dspark_hf.bench.suites.encode_suites", lambda *args: ({"chat": [("a", [1, 2])]}, {"chat": 0}))
+    monkeypatch.setattr("dspark_hf.bench.concurrency.run_arm", scripted_arm([]))
+    cli.main(["bench", "--concurrency", "1", "--limit", "2", "--suites", "chat", "--concurrency-arms", "plain",
+              "--concurrency-repeats", "1", "--out", str(tmp_path)])
+    notes = ["Quick run (--limit): 32 new tokens per generation; add --max-new-tokens 96 for the full-length protocol.",
+             "suite 'chat' has only 1 prompt (limit 2).",
+             "R = 1: the closed loop serves 2·R requests from 1 distinct prompt, taken in turn and repeated; a larger "
+             "--limit (prompts per suite) gives more distinct ones (2 for R = 1)."]
+    out, err = capsys.readouterr()
+    assert err.splitlines()[:3] == notes
+    assert json.loads((tmp_path / "concurrency.json").read_text())["notes"] == notes
+    head = "**Notes**\n\n" + "".join(f"- {note}\n" for note in notes) + "\n| R | arm |"
+    assert (tmp_path / "concurrency.md").read_text().startswith(head) and out.startswith(head)

@@ -35,6 +35,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..evaluation.tables import counted
@@ -168,15 +169,16 @@ def repeat_note(distinct: int, levels: list[int]) -> str | None:
     if not short:
         return None
     return (f"R = {', '.join(map(str, short))}: the closed loop serves 2·R requests from "
-            f"{counted(distinct, 'distinct prompt')}, which repeat in turn; a larger --limit (prompts per suite) "
+            f"{counted(distinct, 'distinct prompt')}, taken in turn and repeated; a larger --limit (prompts per suite) "
             f"gives more distinct ones ({2 * max(short)} for R = {max(short)}).")
 
 
 def run_concurrency(target, drafter, prompts: list[list[int]], levels: list[int], max_new_tokens: int, gamma: int,
                     arms=ARMS, log=print, fixed_ks=FIXED_KS, repeats: int = REPEATS, paired: bool = False,
-                    lockstep: bool = False) -> dict:
+                    lockstep: bool = False, notes: Sequence[str] = ()) -> dict:
     """Every arm at every concurrency level; ``2·R`` prompts per level (with fewer prompts they repeat in turn:
-    request i gets ``prompts[i % len(prompts)]``, and :func:`repeat_note` says so, logged first).
+    request i gets ``prompts[i % len(prompts)]``, and :func:`repeat_note` says so). The caller's ``notes`` (the
+    command's: a quick run, drafters or prompts skipped) and that one are logged first and kept in the result.
 
     At each R the arms' closed loops run ``repeats`` times, interleaved, every other repetition in reverse order
     (plain first, then last, ...), so the baseline sees the same machine as the drafting arms; each arm's row is
@@ -216,7 +218,7 @@ def run_concurrency(target, drafter, prompts: list[list[int]], levels: list[int]
     rows, loops = [], _runs_of(arms, gamma, fixed_ks)
     order = schedule(loops, repeats, paired or lockstep)
     distinct = len({tuple(p) for p in prompts})
-    notes = [note for note in (repeat_note(distinct, levels),) if note]
+    notes = [*notes, *filter(None, [repeat_note(distinct, levels)])]
     for note in notes:
         log(note)
     for concurrency in levels:
@@ -345,9 +347,9 @@ LOCKSTEP_LEGEND = (
 
 
 def markdown(result: dict) -> str:
-    """The table of :func:`run_concurrency` as Markdown (× plain: fastest over fastest, then run by run; with the
-    paired protocol a column × adjacent plain, in lockstep × plain in lockstep), then :data:`LEGEND` (and
-    :data:`PAIRED_LEGEND` or :data:`LOCKSTEP_LEGEND`), what each column means."""
+    """The run's notes, then the table of :func:`run_concurrency` as Markdown (× plain: fastest over fastest, then
+    run by run; with the paired protocol a column × adjacent plain, in lockstep × plain in lockstep), then
+    :data:`LEGEND` (and :data:`PAIRED_LEGEND` or :data:`LOCKSTEP_LEGEND`), what each column means."""
     settings = result["settings"]
     lockstep = settings.get("protocol") == "lockstep"
     paired = lockstep or settings.get("protocol") == "paired"
@@ -380,7 +382,8 @@ def markdown(result: dict) -> str:
         runs = counted(repeats, "run")
         legend += (LOCKSTEP_LEGEND.format(runs=runs, plain=counted(len(order) - plain, "plain run")) if lockstep else
                    PAIRED_LEGEND.format(repeats=repeats, runs=runs, plain=counted(plain, "time")))
-    return "\n".join(lines) + "\n\n" + legend + "\n"
+    notes = "".join(f"- {note}\n" for note in result.get("notes", []))
+    return (f"**Notes**\n\n{notes}\n" if notes else "") + "\n".join(lines) + "\n\n" + legend + "\n"
 
 
 def write(result: dict, out_dir: str | os.PathLike) -> list[Path]:

@@ -83,7 +83,7 @@ def run(args):
     if empty:
         sys.exit(f"Suites without prompts: {empty}")
     if args.concurrency:
-        return _run_concurrency(args, target, drafters, suites, settings)
+        return _run_concurrency(args, target, drafters, suites, settings, notes)
     result, raw = run_bench(target, drafters, suites, settings, notes=notes, builtin_dflash=not args.no_builtin_dflash,
                             command=shlex.join(["dspark", *sys.argv[1:]]), sources=sources)
     result.runtime_s = time.perf_counter() - started  # loading included
@@ -96,9 +96,10 @@ def run(args):
         print(markdown_report(result))
 
 
-def _run_concurrency(args, target, drafters, suites, settings):
+def _run_concurrency(args, target, drafters, suites, settings, notes: list[str]):
     """``--concurrency``: the many-requests bench (:mod:`dspark_hf.bench.concurrency`) with the first drafter, on
-    the suites' prompts taken in turn (one of each suite, then the next of each, ...; a shorter suite drops out)."""
+    the suites' prompts taken in turn (one of each suite, then the next of each, ...; a shorter suite drops out).
+    The run's ``notes`` go to stderr first and into ``concurrency.json`` / ``.md`` (and the table printed)."""
     from ..bench.concurrency import markdown, run_concurrency, write
 
     name, drafter = next(iter(drafters.items()))
@@ -107,7 +108,7 @@ def _run_concurrency(args, target, drafters, suites, settings):
     result = run_concurrency(target, drafter, [list(map(int, p)) for p in prompts], args.concurrency,
                              settings.max_new_tokens, settings.gamma, arms=args.concurrency_arms,
                              log=lambda line: print(line, file=sys.stderr), repeats=args.concurrency_repeats,
-                             paired=args.concurrency_paired, lockstep=args.concurrency_lockstep)
+                             paired=args.concurrency_paired, lockstep=args.concurrency_lockstep, notes=notes)
     result["settings"].update(drafter=name, command=shlex.join(["dspark", *sys.argv[1:]]))
     if args.out:
         paths = write(result, args.out)
