@@ -159,3 +159,10 @@ def test_fewer_prompts_than_requests_repeat_in_turn_with_a_note(monkeypatch):
     assert result["settings"]["distinct_prompts"] == 3
     enough = run_concurrency(None, None, [[1], [2], [3], [3]], [1], 2, 7, arms=("plain",), log=lines.append, repeats=1)
     assert enough["notes"] == [] and enough["settings"]["distinct_prompts"] == 3  # a repeated prompt counts once
+
+
+@pytest.mark.parametrize(("arms", "shown"), [(["plain", "scheduler"], False), (["plain", "best_fixed"], True)])
+def test_the_best_fixed_sentence_appears_only_when_that_arm_ran(arms, shown):
+    result = {"rows": [], "settings": {"repeats": 2, "arms": arms, "gamma": 7, "fixed_ks": [1, 3]}}
+    sentence = " `best_fixed` is the fastest fixed k of 1, 3 at this R (an oracle: each R picks its own k)."
+    assert (sentence in markdown(result)) is shown

@@ -324,9 +324,9 @@ LEGEND = (
     "per request and step, bonus token included. **rejected**: drafts verified but not accepted. **drafting "
     "steps**: steps in which the drafter ran, of all steps that advanced a running request. **step ms**: median "
     "wall time of such a step. **pred. error**: median absolute error of the step-cost model's predicted step time "
-    "(scheduled modes only). **mismatches**: requests whose greedy output differs from plain batched decoding's. "
-    "`best_fixed` is the fastest fixed k of {ks} at this R (an oracle: each R picks its own k)."
+    "(scheduled modes only). **mismatches**: requests whose greedy output differs from plain batched decoding's."
 )
+BEST_FIXED_LEGEND = " `best_fixed` is the fastest fixed k of {ks} at this R (an oracle: each R picks its own k)."
 PAIRED_LEGEND = (
     " Paired protocol (`--concurrency-paired`): at each R plain batched decoding ran before every other closed loop "
     "and once at the end, the other loops rotated each repetition, so plain ran {plain} and the fastest-run "
@@ -349,7 +349,8 @@ LOCKSTEP_LEGEND = (
 def markdown(result: dict) -> str:
     """The run's notes, then the table of :func:`run_concurrency` as Markdown (× plain: fastest over fastest, then
     run by run; with the paired protocol a column × adjacent plain, in lockstep × plain in lockstep), then
-    :data:`LEGEND` (and :data:`PAIRED_LEGEND` or :data:`LOCKSTEP_LEGEND`), what each column means."""
+    :data:`LEGEND` (and :data:`BEST_FIXED_LEGEND` when that arm ran, :data:`PAIRED_LEGEND` or
+    :data:`LOCKSTEP_LEGEND`), what each column means."""
     settings = result["settings"]
     lockstep = settings.get("protocol") == "lockstep"
     paired = lockstep or settings.get("protocol") == "paired"
@@ -371,11 +372,13 @@ def markdown(result: dict) -> str:
                      f"{r['verified_per_request']:.2f} | {r['tau']:.2f} | {r['rejected_drafts']} | "
                      f"{r['drafting_steps']}/{r['steps']} | {r['step_ms_median']:.0f} | {error} | {r['mismatches']} |")
     repeats = settings.get("repeats", REPEATS)
-    legend = LEGEND.format(times=counted(repeats, "time"), ks=", ".join(map(str, settings.get("fixed_ks", FIXED_KS))),
+    legend = LEGEND.format(times=counted(repeats, "time"),
                            order="each in lockstep with plain, below" if lockstep else "in the paired order below"
                            if paired else "every other time in reverse order, so plain batched decoding runs first and last",
                            per_run="each run over its plain partner in lockstep (below)" if lockstep else
                            "each run over the plain runs adjacent to it (below)" if paired else "run i over plain's run i")
+    if "best_fixed" in settings.get("arms", ARMS):  # the arms that ran (all of them in files that did not say)
+        legend += BEST_FIXED_LEGEND.format(ks=", ".join(map(str, settings.get("fixed_ks", FIXED_KS))))
     if paired:
         order = schedule(_runs_of(settings["arms"], settings["gamma"], settings["fixed_ks"]), repeats, True)
         plain = sum(loop == PLAIN for _, loop in order)
