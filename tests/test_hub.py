@@ -175,6 +175,17 @@ def test_card_without_records_invents_nothing(saved):
     assert "| mt-bench | 3.00 |" in speed and hub_sections.NOT_MEASURED in speed and "machine not recorded" in speed
 
 
+def test_card_says_what_batch_sizes_generate_takes(saved):
+    """One prompt or a left-padded batch through generate, many through generate_concurrent: not "batch size 1"."""
+    text = hub.build_card(DSparkConfig.from_pretrained(saved / "card"), repo=REPO_ID).text
+    assert "Batch size 1" not in text
+    assert 'needs transformers ≥ 5.24). One prompt or a left-padded batch (`tok.padding_side = "left"`), greedy or' in text
+    limitations = text.split("## Limitations")[1].split("## ")[0]
+    assert ('- `generate` takes one prompt or a left-padded batch (`tokenizer.padding_side = "left"`; each row decoded '
+            "as if alone; a batch takes no streamer and no `return_dict_in_generate`), and "
+            "`dspark_hf.generate_concurrent` serves a queue of prompts with at most R in flight;") in limitations
+
+
 def test_metric_block_renders_any_flat_or_nested_record():
     assert hub_sections.metric_block("tau", 3.14159) == "**tau**: 3.14"
     assert hub_sections.metric_block("tau", {"a": 2.5, "b": 123.456}).splitlines()[2:] == ["| a | 2.50 |", "| b | 123.5 |"]

@@ -242,8 +242,10 @@ def limitations_section(config, calibration: dict | None, bench: dict | None) ->
         f"Bound to `{config.target_name_or_path}` (vocabulary {config.vocab_size}, hidden size "
         f"{config.hidden_size}, {config.target_num_layers} layers): it reads that model's hidden states and "
         "borrows its embedding and lm_head, so any other target raises or drafts badly.",
-        "Batch size 1 in `generate` (one prompt per call); greedy decoding or sampling, no beam search, "
-        "`num_return_sequences` = 1.",
+        "`generate` takes one prompt or a left-padded batch (`tokenizer.padding_side = \"left\"`; each row decoded "
+        "as if alone; a batch takes no streamer and no `return_dict_in_generate`), and "
+        "`dspark_hf.generate_concurrent` serves a queue of prompts with at most R in flight; greedy decoding or "
+        "sampling, no beam search, `num_return_sequences` = 1.",
         "Speedups are measured on the machine named under Speed"
         + (" (a CPU, whose cost of verifying k tokens at once grows differently from a GPU's, so the numbers "
               "do not carry over)"
