@@ -21,7 +21,7 @@ hand-composed ``matmul`` + ``softmax`` + ``matmul`` was not faster at any measur
 rows do not hide: a folded block over at least :data:`PREFETCH_MIN_KEYS` positions runs one K/V head at a time,
 each head's keys and values read into the cache first (:func:`_sdpa_head_by_head`), where that is faster on this CPU
 at torch's current thread count (:func:`splits_heads`, measured once per shape; on the reference EPYC it is at 1
-thread, a B = 8 verification 2.5-6 % faster at ctx 1,024-2,048, and not at 2, issue 23).
+thread, a B = 8 verification 4-9 % faster at ctx 2,048 and 5-7 % at 4,096, and not at 2, issue 23).
 """
 
 from __future__ import annotations
@@ -108,8 +108,8 @@ def _sdpa_head_by_head(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     layer's K/V always come from memory (the weights streamed in between evict them), and a whole layer's K/V
     (3.1 MB at ctx 2,048 for SmolLM2) do not stay in the cache, one head's (a third) mostly do: so each head's keys
     and values are read by a ``sum`` just before that head's kernel (a contiguous read, which the hardware
-    prefetcher streams: a B = 8 forward 0.91× the one call at ctx 2,048, where a strided ``sum`` touching one value
-    per 64-byte line gave 0.985×; issue 23). Same kernel, same maths per head: the output equals the one-call SDPA
+    prefetcher streams: a B = 8 forward 0.91-0.96× the one call at ctx 2,048, where a strided ``sum`` touching one
+    value per 64-byte line gave 0.96-0.985×; issue 23). Same kernel, same maths per head: the output equals the one-call SDPA
     exactly. Whether this wins depends on the CPU and the thread count (:func:`splits_heads` measures it).
 
     Args:
@@ -195,10 +195,11 @@ def splits_heads(query: torch.Tensor, kv_heads: int) -> bool:
     that is faster than one SDPA call on this CPU at torch's current thread count
     (:func:`~dspark_hf.runtime.tuning.faster`: one layer's folded attention of a :data:`TUNE_BLOCK`-token block over
     :data:`TUNE_CONTEXT` cached positions, each call on the next K/V of a ring of :data:`TUNE_RING_BYTES`, so that
-    it reads them from memory as a forward does, ~20-75 ms once per shape). Never on other devices.
+    it reads them from memory as a forward does, ~25-35 ms once per shape). Never on other devices.
 
-    On the reference EPYC (AVX-512) it is at 1 thread (a B = 8 verification 2.5-6 % faster at ctx 1,024-2,048) and
-    not at 2, where SmolLM2's 3 K/V heads run one at a time leave a thread idle (``docs/long/verify_cost.md``).
+    On the reference EPYC (AVX-512) it is at 1 thread (in 9 of 10 processes; a B = 8 verification 4-9 % faster at
+    ctx 2,048) and not at 2 (10 of 10), where running SmolLM2's 3 K/V heads one at a time leaves a thread idle
+    (``docs/long/verify_cost.md``).
 
     Args:
         query: ``[B, H, q, D]`` (not folded), ``q <= FOLD_MAX_QUERIES``.
