@@ -129,9 +129,9 @@ class _CountingSDPA:
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (6, 3), (4, 1)])
 @pytest.mark.parametrize("q_len", [1, 3, 8])
 def test_head_by_head_blocks_match_reference(heads, kv_heads, q_len, monkeypatch):
-    """A folded block over at least PREFETCH_MIN_KEYS positions runs one SDPA per K/V head (1 thread): the same
-    attention as the reference under a left-padded causal mask, boolean or folded additive; a 1-token step keeps
-    one call."""
+    """A folded block over at least PREFETCH_MIN_KEYS positions runs one SDPA per K/V head where splits_heads says
+    so: the same attention as the reference under a left-padded causal mask, boolean or folded additive, and
+    bit-identical to the one-call SDPA; a 1-token step keeps one call."""
     monkeypatch.setattr(attention, "folds", lambda *args: True)
     monkeypatch.setattr(attention, "PREFETCH_MIN_KEYS", 16)
     spy = _CountingSDPA()
@@ -140,28 +140,34 @@ def test_head_by_head_blocks_match_reference(heads, kv_heads, q_len, monkeypatch
     folded = fold_mask(torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min), heads // kv_heads)
     expected = reference_attention(q, k, v, mask)
     for given in (mask, folded):
-        spy.calls = 0
-        out, _ = sdpa_gqa_attention_forward(_Module(), q, k, v, given)
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-        assert spy.calls == (kv_heads if q_len > 1 else 1)
+        outs = {}
+        for split in (True, False):
+            monkeypatch.setattr(attention, "splits_heads", lambda *args, split=split: split)
+            spy.calls = 0
+            outs[split], _ = sdpa_gqa_attention_forward(_Module(), q, k, v, given)
+            assert spy.calls == (kv_heads if q_len > 1 and split else 1)
+        torch.testing.assert_close(outs[True], expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(outs[True], outs[False])
 
 
-@pytest.mark.parametrize("guard", ["keys", "threads", "unfolded"])
-def test_head_by_head_only_for_long_folded_blocks_on_one_thread(guard, monkeypatch):
-    """One SDPA call (not one per K/V head) below PREFETCH_MIN_KEYS positions, on 2 threads (a single head leaves
-    a thread idle) and where the layer does not fold."""
+@pytest.mark.parametrize("guard", ["keys", "measured", "unfolded"])
+def test_head_by_head_only_for_long_folded_blocks_where_faster(guard, monkeypatch):
+    """One SDPA call (not one per K/V head) below PREFETCH_MIN_KEYS positions, where splits_heads measured the one
+    call faster (e.g. 2 threads, where a single head leaves a thread idle) and where the layer does not fold; the
+    choice is asked for the block's unfolded query and its K/V heads."""
+    asked = []
     monkeypatch.setattr(attention, "folds", lambda *args: guard != "unfolded")
+    monkeypatch.setattr(attention, "splits_heads", lambda query, kv_heads: asked.append(
+        (tuple(query.shape), kv_heads)) or guard != "measured")
     monkeypatch.setattr(attention, "PREFETCH_MIN_KEYS", 24 + (guard == "keys"))
     spy = _CountingSDPA()
     monkeypatch.setattr(attention, "F", spy)
-    if guard == "threads":
-        torch.set_num_threads(2)  # the module's one_thread fixture restores its own value at the end
     q, k, v = torch.randn(1, 6, 8, 8), torch.randn(1, 2, 24, 8), torch.randn(1, 2, 24, 8)
     mask = (torch.arange(24)[None, :] <= torch.arange(8)[:, None] + 16)[None, None]
     out, _ = sdpa_gqa_attention_forward(_Module(), q, k, v, mask)
-    torch.set_num_threads(1)
     torch.testing.assert_close(out, reference_attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
     assert spy.calls == 1
+    assert asked == ([((1, 6, 8, 8), 2)] if guard == "measured" else [])
 
 
 class _FakeKernels:
@@ -205,6 +211,53 @@ def test_folding_is_chosen_by_what_it_costs_on_this_cpu(unfolded_ms, folded_ms, 
     torch.set_num_threads(1)
 
 
+class _FakeHeadKernels:
+    """Stands in for ``torch.nn.functional`` in attention.py and ``time`` in tuning.py: an SDPA call over all
+    ``kv_heads`` K/V heads advances a fake clock by ``one_call_ms``, one over a single head by ``head_by_head_ms /
+    kv_heads``; records the shapes of each call and the storage its keys come from."""
+
+    def __init__(self, one_call_ms: float, head_by_head_ms: float, kv_heads: int):
+        self.one_call_ms, self.head_ms, self.kv_heads, self.now, self.calls = one_call_ms, head_by_head_ms, kv_heads, 0.0, []
+
+    def perf_counter(self):
+        return self.now
+
+    def scaled_dot_product_attention(self, query, key, value, attn_mask=None, dropout_p=0.0, scale=None):
+        self.calls.append((tuple(query.shape), tuple(key.shape), tuple(attn_mask.shape),
+                           key.untyped_storage().data_ptr()))
+        self.now += 1e-3 * (self.one_call_ms if key.shape[1] == self.kv_heads else self.head_ms / self.kv_heads)
+        return query
+
+
+@pytest.mark.parametrize("one_call_ms,head_by_head_ms,expected", [(3.0, 2.0, True), (2.0, 3.0, False),
+                                                                  (2.0, 2.0, False)])
+def test_head_split_is_chosen_by_what_it_costs_on_this_cpu(one_call_ms, head_by_head_ms, expected, monkeypatch):
+    """splits_heads times one layer's folded TUNE_BLOCK-token block over TUNE_CONTEXT positions (SmolLM2's shapes: 9
+    query heads, 3 K/V heads) as one SDPA call and head by head, interleaved, once per shape and thread count, and
+    keeps the faster; a tie keeps one call. Each call reads the next layer's K/V of a ring of TUNE_RING_BYTES (4
+    layers of 3 MiB here), so no call finds them in cache from the one before; never on another device."""
+    fake = _FakeHeadKernels(one_call_ms, head_by_head_ms, 3)
+    monkeypatch.setattr(attention, "F", fake)
+    monkeypatch.setattr(tuning, "time", fake)
+    monkeypatch.setattr(tuning, "_CHOICES", {})
+    assert attention.splits_heads(torch.zeros(1, 9, 5, 64), 3) is expected
+    rounds = tuning.TUNE_REPEATS + 1
+    assert len(fake.calls) == 4 * rounds  # one call, then 3 heads, per round
+    ctx, rows = attention.TUNE_CONTEXT, 3 * attention.TUNE_BLOCK
+    assert [c[:3] for c in fake.calls[:4]] == [((1, 3, rows, 64), (1, 3, ctx, 64), (1, 1, rows, ctx))] + [
+        ((1, 1, rows, 64), (1, 1, ctx, 64), (1, 1, rows, ctx))] * 3
+    assert all(len({c[3] for c in fake.calls[i : i + 3]}) == 1 for i in range(1, 4 * rounds, 4))  # one layer's heads
+    keys = [fake.calls[4 * (i // 2) + i % 2][3] for i in range(2 * rounds)]  # each kernel call's layer, as they ran
+    assert len(set(keys)) == attention.TUNE_RING_BYTES // (2 * 3 * ctx * 64 * 4) == 4
+    assert keys == [keys[i % 4] for i in range(2 * rounds)]  # each layer's K/V read once every 4 calls
+    assert attention.splits_heads(torch.zeros(1, 9, 8, 64), 3) is expected and len(fake.calls) == 4 * rounds  # kept
+    torch.set_num_threads(2)  # the module's one_thread fixture restores its own value at the end
+    attention.splits_heads(torch.zeros(1, 9, 8, 64), 3)
+    assert len(fake.calls) == 8 * rounds  # another thread count is measured anew
+    torch.set_num_threads(1)
+    assert not attention.splits_heads(torch.zeros(1, 9, 8, 64, device="meta"), 3)
+
+
 def test_gqa_sdpa_mask_folds_short_blocks_of_grouped_models_only():
     """A block of up to FOLD_MAX_QUERIES queries of a GQA model: the stock mask made additive and repeated once per
     query head of a group; prefill-sized blocks and models without grouped heads: the stock mask itself."""
@@ -236,11 +289,12 @@ def test_logits_match_stock_through_crops_and_regrowth(kv_heads, head_by_head, m
     """This package's kernels (folded GQA attention and masks, GrowingCache) against stock sdpa + DynamicCache on a
     left-padded batch: a prefill longer than FOLD_MAX_QUERIES, then blocks of 3, 8, 1 and 9 tokens with crops
     between them (rejected drafts), as verification runs them; with blocks over any cache length run head by head
-    (PREFETCH_MIN_KEYS lowered to 1) too."""
+    (PREFETCH_MIN_KEYS lowered to 1, splits_heads forced) too."""
     runs = []
     if head_by_head:
         monkeypatch.setattr(attention, "PREFETCH_MIN_KEYS", 1)
-        monkeypatch.setattr(attention, "folds", lambda *args: True)  # not the timing's choice: it must run here
+        monkeypatch.setattr(attention, "folds", lambda *args: True)  # not the timing's choices: it must run here
+        monkeypatch.setattr(attention, "splits_heads", lambda *args: True)
         real = attention._sdpa_head_by_head
         monkeypatch.setattr(attention, "_sdpa_head_by_head", lambda *args: runs.append(1) or real(*args))
     stock = tiny_llama(97, 32, 2, num_key_value_heads=kv_heads)
@@ -276,9 +330,20 @@ def test_only_sdpa_models_are_switched():
     assert use_gqa_attention(model)  # idempotent
 
 
-def test_cpu_kernels_label_and_opt_out():
-    model = use_cpu_kernels(tiny_llama(50, 16, 1), prepack=False)
-    assert kernels_label(model) == "stock+sdpa-gqa+growing-cache+tuned"
+@pytest.mark.parametrize("fold,split", [(True, True), (True, False), (False, True)])
+def test_cpu_kernels_label_and_opt_out(fold, split, monkeypatch):
+    """The label says +head-by-head where a folded block of the model's shapes runs head by head (both choices
+    asked for a 1-sequence TUNE_BLOCK-token block), not for a model without grouped K/V heads."""
+    asked = []
+    monkeypatch.setattr(attention, "folds", lambda query, kv_heads: asked.append((tuple(query.shape), kv_heads)) or fold)
+    monkeypatch.setattr(attention, "splits_heads", lambda query, kv_heads: asked.append(
+        (tuple(query.shape), kv_heads)) or split)
+    model = use_cpu_kernels(tiny_llama(50, 16, 1), prepack=False)  # 4 query heads, 2 K/V heads of 8
+    head_by_head = "+head-by-head" * (fold and split)
+    assert kernels_label(model) == f"stock+sdpa-gqa{head_by_head}+growing-cache+tuned"
+    assert asked == [((1, 4, attention.TUNE_BLOCK, 8), 2)] * (1 + fold)
+    assert kernels_label(use_cpu_kernels(tiny_llama(50, 16, 1, num_key_value_heads=4), prepack=False)) == (
+        "stock+sdpa-gqa+growing-cache+tuned")
     assert kernels_label(tiny_llama(50, 16, 1)) == "stock"
     with pytest.raises(ValueError, match="pass one"):
         load_target("unused", prepack=True, stock_kernels=True)  # refused before anything loads

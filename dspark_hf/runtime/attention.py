@@ -18,12 +18,15 @@ What a B = 8 block costs over a long cache is the attention arithmetic itself: t
 two score products at ~40 GFLOP/s on one core of the reference machine (its GEMMs reach ~90 in cache), and a
 hand-composed ``matmul`` + ``softmax`` + ``matmul`` was not faster at any measured shape
 (``docs/long/verify_cost.md``). Part of that is the kernel waiting on K/V read from memory, which a block's many
-rows do not hide: on one thread a folded block over at least :data:`PREFETCH_MIN_KEYS` positions runs one K/V head
-at a time, each head's keys and values read into the cache first (:func:`_sdpa_head_by_head`; a B = 8
-verification 2.5-6 % faster at ctx 1,024-2,048 and 0-8 % at 4,096, issue 23).
+rows do not hide: a folded block over at least :data:`PREFETCH_MIN_KEYS` positions runs one K/V head at a time,
+each head's keys and values read into the cache first (:func:`_sdpa_head_by_head`), where that is faster on this CPU
+at torch's current thread count (:func:`splits_heads`, measured once per shape; on the reference EPYC it is at 1
+thread, a B = 8 verification 4-9 % faster at ctx 2,048 and 5-7 % at 4,096, and not at 2, issue 23).
 """
 
 from __future__ import annotations
+
+from itertools import cycle
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +40,8 @@ SDPA_GQA = "dspark_sdpa_gqa"  # the attn_implementation name registered by regis
 FOLD_MAX_QUERIES = 64  # fold the query heads of a group into rows for at most this many queries (not prefill)
 TUNE_CONTEXT = 2048  # cached positions when timing folded against enable_gqa (folds)
 TUNE_BLOCK = 8  # the block size timed for every block of 2..FOLD_MAX_QUERIES tokens
-PREFETCH_MIN_KEYS = 1024  # a folded block over at least this many positions runs head by head on 1 thread
+PREFETCH_MIN_KEYS = 1024  # a folded block over at least this many positions may run head by head (splits_heads)
+TUNE_RING_BYTES = 12 * 2**20  # K/V buffers cycled through when timing head by head, so each call reads them anew
 
 
 def sdpa_gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -56,8 +60,9 @@ def sdpa_gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
         **kwargs: what transformers passes; a ``position_bias``, ``softcap`` or ``output_attentions`` request goes
             to the stock ``sdpa`` function (which handles or rejects them).
 
-    A folded block of ``q > 1`` queries over at least :data:`PREFETCH_MIN_KEYS` positions on the CPU at one torch
-    thread runs one K/V head at a time (:func:`_sdpa_head_by_head`).
+    A folded block of ``q > 1`` queries over at least :data:`PREFETCH_MIN_KEYS` positions on the CPU runs one K/V
+    head at a time (:func:`_sdpa_head_by_head`) where that is faster at torch's current thread count
+    (:func:`splits_heads`).
 
     Returns:
         ``(attn_output [B, q, H, D], None)``.
@@ -79,13 +84,12 @@ def sdpa_gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     head_by_head = False
     if (groups > 1 and not causal and q_length <= FOLD_MAX_QUERIES and folds(query, heads // groups)
             and (attention_mask is None or attention_mask.shape[1] == 1)):
+        head_by_head = q_length > 1 and key.shape[2] >= PREFETCH_MIN_KEYS and splits_heads(query, heads // groups)
         query = query.reshape(batch, heads // groups, groups * q_length, head_dim)
         if folded is not None and folded.shape[-2] == groups * q_length:
             attention_mask = folded
         elif attention_mask is not None:
             attention_mask = fold_mask(attention_mask, groups)
-        head_by_head = (q_length > 1 and key.shape[2] >= PREFETCH_MIN_KEYS and query.device.type == "cpu"
-                        and torch.get_num_threads() == 1)  # 2 threads: one head is one work item, a thread idles
     if head_by_head:
         out = _sdpa_head_by_head(query, key, value, attention_mask, dropout, scaling)
     else:
@@ -103,9 +107,10 @@ def _sdpa_head_by_head(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     with its 6.3 MB of K/V out of cache and 414 with them in cache (``docs/long/verify_cost.md``). In a forward a
     layer's K/V always come from memory (the weights streamed in between evict them), and a whole layer's K/V
     (3.1 MB at ctx 2,048 for SmolLM2) do not stay in the cache, one head's (a third) mostly do: so each head's keys
-    and values are read by a strided ``sum`` (one value per 64-byte line touches every line) just before that
-    head's kernel. Same kernel, same maths per head: the output equals the one-call SDPA exactly. At ctx 4,096 one
-    head's 2.1 MB exceed a 1 MB L2 and the gain depends on the shared L3 (0-8 % of a B = 8 forward, issue 23).
+    and values are read by a ``sum`` just before that head's kernel (a contiguous read, which the hardware
+    prefetcher streams: a B = 8 forward 0.91-0.96× the one call at ctx 2,048, where a strided ``sum`` touching one
+    value per 64-byte line gave 0.96-0.985×; issue 23). Same kernel, same maths per head: the output equals the one-call SDPA
+    exactly. Whether this wins depends on the CPU and the thread count (:func:`splits_heads` measures it).
 
     Args:
         query: ``[B, H_kv, g·q, D]`` (folded); key / value: ``[B, H_kv, k, D]``.
@@ -115,11 +120,10 @@ def _sdpa_head_by_head(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     Returns:
         ``[B, H_kv, g·q, D]``.
     """
-    line = max(1, 64 // key.element_size())  # values per 64-byte cache line
     out = []
     for h in range(key.shape[1]):
         k, v = key[:, h : h + 1], value[:, h : h + 1]  # [B, 1, k, D]
-        k[..., ::line].sum(), v[..., ::line].sum()  # touch every line of this head's K/V: it is read from cache below
+        k.sum(), v.sum()  # read this head's K/V once: the kernel below finds them in cache
         out.append(F.scaled_dot_product_attention(query[:, h : h + 1], k, v, attn_mask=attn_mask, dropout_p=dropout,
                                                   scale=scale))
     return torch.cat(out, dim=1)
@@ -181,15 +185,81 @@ def _attention_kernels(batch: int, heads: int, kv_heads: int, head_dim: int, dty
     """One layer's attention of a ``q_length``-token block over ``TUNE_CONTEXT`` random cached positions: ``(folded,
     enable_gqa)`` callables. A block has the additive mask :func:`gqa_sdpa_mask` builds; one token none (as in
     decoding)."""
+    query, key, value, mask, folded_query, folded_mask = _timed_block(batch, heads, kv_heads, head_dim, dtype, q_length)
+    return (lambda: F.scaled_dot_product_attention(folded_query, key, value, attn_mask=folded_mask),
+            lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True))
+
+
+def splits_heads(query: torch.Tensor, kv_heads: int) -> bool:
+    """Whether a folded block of ``q > 1`` queries runs one K/V head at a time (:func:`_sdpa_head_by_head`): where
+    that is faster than one SDPA call on this CPU at torch's current thread count
+    (:func:`~dspark_hf.runtime.tuning.faster`: one layer's folded attention of a :data:`TUNE_BLOCK`-token block over
+    :data:`TUNE_CONTEXT` cached positions, each call on the next K/V of a ring of :data:`TUNE_RING_BYTES`, so that
+    it reads them from memory as a forward does, ~25-35 ms once per shape). Never on other devices.
+
+    On the reference EPYC (AVX-512) it is at 1 thread (in 9 of 10 processes; a B = 8 verification 4-9 % faster at
+    ctx 2,048) and not at 2 (10 of 10), where running SmolLM2's 3 K/V heads one at a time leaves a thread idle
+    (``docs/long/verify_cost.md``).
+
+    Args:
+        query: ``[B, H, q, D]`` (not folded), ``q <= FOLD_MAX_QUERIES``.
+        kv_heads: K/V heads ``H_kv`` (``H`` a multiple of it).
+    """
+    if query.device.type != "cpu":
+        return False
+    batch, heads, _, head_dim = query.shape
+    return faster(("attention-head-by-head", batch, heads, kv_heads, head_dim, query.dtype),
+                  lambda: _head_split_kernels(batch, heads, kv_heads, head_dim, query.dtype)) == 1
+
+
+def _head_split_kernels(batch: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+    """One layer's folded attention of a ``TUNE_BLOCK``-token block over ``TUNE_CONTEXT`` cached positions under
+    :func:`gqa_sdpa_mask`'s additive mask: ``(one call, head by head)`` callables. Each call takes the next K/V of a
+    ring of several layers' (``TUNE_RING_BYTES`` in all, at least 2 layers), shared by both, so neither finds them in
+    cache from its previous call."""
+    _, key, value, _, query, mask = _timed_block(batch, heads, kv_heads, head_dim, dtype, TUNE_BLOCK)
+    layers = max(2, TUNE_RING_BYTES // (2 * key.numel() * key.element_size()))
+    ring = cycle([(key, value)] + [(key.clone(), value.clone()) for _ in range(layers - 1)])
+
+    def one_call():
+        key, value = next(ring)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+
+    def head_by_head():
+        key, value = next(ring)
+        return _sdpa_head_by_head(query, key, value, mask, 0.0, None)
+
+    return one_call, head_by_head
+
+
+def _timed_block(batch: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, q_length: int):
+    """Random inputs of one layer's attention of a ``q_length``-token block over ``TUNE_CONTEXT`` cached positions:
+    ``(query [B, H, q, D], key, value [B, H_kv, TUNE_CONTEXT, D], mask, folded query [B, H_kv, g·q, D], folded
+    mask)``; the masks are additive zeros ``[B, 1, q, TUNE_CONTEXT]`` / ``[B, 1, g·q, TUNE_CONTEXT]`` for a block,
+    ``None`` for one token (as in decoding)."""
     g = torch.Generator().manual_seed(0)
     query = torch.randn(batch, heads, q_length, head_dim, generator=g, dtype=dtype)
     key, value = (torch.randn(batch, kv_heads, TUNE_CONTEXT, head_dim, generator=g, dtype=dtype) for _ in range(2))
     mask = None if q_length == 1 else torch.zeros(batch, 1, q_length, TUNE_CONTEXT, dtype=dtype)
     groups = heads // kv_heads
     folded_query = query.reshape(batch, kv_heads, groups * q_length, head_dim)
-    folded_mask = None if mask is None else fold_mask(mask, groups)
-    return (lambda: F.scaled_dot_product_attention(folded_query, key, value, attn_mask=folded_mask),
-            lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True))
+    return query, key, value, mask, folded_query, None if mask is None else fold_mask(mask, groups)
+
+
+def model_splits_heads(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s attention runs a folded block over at least :data:`PREFETCH_MIN_KEYS` positions head by
+    head at torch's current thread count: it runs :func:`sdpa_gqa_attention_forward`, has grouped K/V heads,
+    folds a block (:func:`folds`) and :func:`splits_heads` says so for a 1-sequence block (each measured here if it
+    was not yet). What :func:`~dspark_hf.runtime.targets.kernels_label` reports as ``+head-by-head``."""
+    config = model.config
+    groups = _query_groups(config)
+    if not uses_gqa_attention(model) or groups == 1:
+        return False
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    param = next(model.parameters())
+    query = torch.empty(1, heads, TUNE_BLOCK, head_dim, dtype=param.dtype, device=param.device)
+    return folds(query, heads // groups) and splits_heads(query, heads // groups)
 
 
 def _query_groups(config) -> int:

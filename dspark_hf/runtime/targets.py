@@ -20,7 +20,7 @@ from ..defaults import (
     default_target_dir,
     default_target_gguf,
 )
-from .attention import use_gqa_attention, uses_gqa_attention
+from .attention import model_splits_heads, use_gqa_attention, uses_gqa_attention
 from .kernels import can_prepack, choose_one_row_kernel, is_prepacked, linear_kernels, prepack_linears
 from .kv_cache import use_growing_cache, uses_growing_cache
 
@@ -135,12 +135,16 @@ def use_cpu_kernels(model: torch.nn.Module, prepack: bool | None = None) -> torc
 def kernels_label(model: torch.nn.Module) -> str:
     """Which kernels ``model`` runs (timings depend on them; part of the SPS curve's cache key): the linear
     kernels (:func:`~dspark_hf.runtime.kernels.linear_kernels`), then ``+sdpa-gqa`` and ``+growing-cache`` where
-    :func:`use_cpu_kernels` switched them on, and ``+tuned`` where kernels are chosen by timing them on the machine
-    (:mod:`~dspark_hf.runtime.tuning`: a prepacked linear's single row, the attention's folding), e.g.
-    ``"onednn-prepacked+transposed-row+sdpa-gqa+growing-cache+tuned"``."""
+    :func:`use_cpu_kernels` switched them on, with ``+head-by-head`` after ``+sdpa-gqa`` where long blocks run one
+    K/V head at a time at torch's current thread count
+    (:func:`~dspark_hf.runtime.attention.model_splits_heads`, timed here if it was not yet), and ``+tuned`` where
+    kernels are chosen by timing them on the machine (:mod:`~dspark_hf.runtime.tuning`: a prepacked linear's single
+    row, the attention's folding and head split), e.g.
+    ``"onednn-prepacked+transposed-row+sdpa-gqa+head-by-head+growing-cache+tuned"``. A label that changes (another
+    thread count, a choice that flips) keys another SPS curve, which is profiled once."""
     gqa, prepacked = uses_gqa_attention(model), is_prepacked(model)
-    return (linear_kernels(model) + "+sdpa-gqa" * gqa + "+growing-cache" * uses_growing_cache(model)
-            + "+tuned" * (gqa or prepacked))
+    return (linear_kernels(model) + "+sdpa-gqa" * gqa + "+head-by-head" * model_splits_heads(model)
+            + "+growing-cache" * uses_growing_cache(model) + "+tuned" * (gqa or prepacked))
 
 
 def load_default_target(dtype: torch.dtype = torch.float32, prepack: bool | None = None, stock_kernels: bool = False,
