@@ -271,7 +271,7 @@ def test_probes_are_spaced_by_their_price_and_back_off_until_dspark_wins_again(c
     Each probe doubles the wait (up to MAX_PROBE_INTERVAL), and a round that plans DSpark on its own merits brings
     the interval back to REFRESH_ROUNDS (the price still applies)."""
     assert (REFRESH_ROUNDS, LOSS_BOUND, MAX_PROBE_INTERVAL) == (4, 0.02, 64)
-    curve = tiny_sps_curve([60, 66, 80, 90, 100, 110, 120, 130, 140])  # raw ms (no majorant: not a "cpu" curve)
+    curve = tiny_sps_curve([60, 66, 80, 90, 100, 110, 120, 130, 140])  # ms per B
     curve.draft_ms = draft_ms
     correction = OnlineCorrection(prior=1.0)
     if factor != 1.0:
