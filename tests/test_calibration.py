@@ -228,6 +228,8 @@ def test_online_correction_matches_the_means_of_the_verified_drafts():
     assert correction.factor == pytest.approx((3 + 2) / (0.6 + 1.7 + 2))
     f = (3 + 2) / 4.3
     assert correction.apply(torch.tensor([0.5, 0.9])).tolist() == pytest.approx([0.5 * f, 1.0])  # capped at 1
+    values = [0.5, 0.9, 0.123, 0.0]
+    assert correction.apply(values) == correction.apply(torch.tensor(values, dtype=torch.float64)).tolist()  # a list
     with pytest.raises(ValueError, match="accepted must be in 0..2"):
         correction.observe([0.5, 0.5], 3)
     with pytest.raises(ValueError, match="prior must be > 0"):

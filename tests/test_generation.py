@@ -193,8 +193,8 @@ def test_scheduled_lengths_vary(target, drafters, prompts, seen_lengths):
 
 def test_a_cpu_curve_schedules_on_the_sizes_its_round_verifies(target, prompts, references):
     """Issue #28: a CPU curve profiled to 17 tokens, nearly flat to B = 4 (80-83 ms), then convex up to 5 s at B = 17.
-    At γ = 3 the scheduler reads the majorant of B = 1..4 (the measurements: drafts pay); the whole row's majorant,
-    its chord at ~307 ms per token, would price B = 2 at 388 ms and schedule ℓ = 0 in every round."""
+    At γ = 3 the scheduler reads B = 1..4 as measured (drafts pay); a reading shaped by the whole row (its concave
+    majorant, the chord at ~307 ms per token) would price B = 2 at 388 ms and schedule ℓ = 0 in every round."""
     drafter = ready_cycle_drafter(target, "markov")
     ms = [80.0, 81.0, 82.0, 83.0] + [83.0 + 4917.0 * (b / 13) ** 2 for b in range(1, 14)]  # ms[16] = 5000
     drafter.set_sps_curve(SPSCurve([1e3 / m for m in ms], "cycle", "AMD EPYC AVX2", "float32", torch.__version__, 0,

@@ -54,6 +54,40 @@ def test_no_match():
     assert find_continuation(torch.tensor([[1, 2, 1]]), 2) == LookupMatch((2, 1), 1)  # (1, L) tensors work too
 
 
+def _vectorised_continuation(ids, max_tokens, max_ngram=8):
+    """The matcher as it was written with tensor ops (issue #14), the reference the plain-Python one must equal."""
+    seq = torch.as_tensor(ids).reshape(-1)
+    n_ids = seq.numel()
+    if n_ids < 2 or max_tokens <= 0:
+        return None
+    alive = seq[:-1] == seq[-1]
+    length = torch.zeros(n_ids - 1, dtype=torch.long)
+    for k in range(min(max_ngram, n_ids - 1)):
+        if k > 0:
+            extends = torch.zeros(n_ids - 1, dtype=torch.bool)
+            extends[k:] = seq[: n_ids - 1 - k] == seq[n_ids - 1 - k]
+            alive &= extends
+        length += alive
+    best = int(length.max())
+    if best == 0:
+        return None
+    ends = (length == best).nonzero().flatten()
+    full = ends[ends + max_tokens <= n_ids - 1]
+    p = int(full[-1]) if full.numel() else int(ends[0])
+    return LookupMatch(tuple(seq[p + 1: p + 1 + max_tokens].tolist()), best)
+
+
+def test_matching_equals_the_vectorised_reference():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(400):  # small vocabularies: many matches, ties and long ones
+        vocab = (2, 3, 5, 50)[trial % 4]
+        ids = torch.randint(0, vocab, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g).tolist()
+        for max_tokens, max_ngram in ((1, 8), (4, 8), (7, 3), (16, 1), (3, 20)):
+            expected = _vectorised_continuation(ids, max_tokens, max_ngram)
+            assert find_continuation(ids, max_tokens, max_ngram) == expected, (ids, max_tokens, max_ngram)
+            assert find_continuation(torch.tensor([ids]), max_tokens, max_ngram) == expected
+
+
 # -------------------------------------------------------------------------------- the estimate
 def test_acceptance_counts_by_effective_match_length():
     est = LookupAcceptance(max_ngram=4)
@@ -237,7 +271,7 @@ def test_probes_are_spaced_by_their_price_and_back_off_until_dspark_wins_again(c
     Each probe doubles the wait (up to MAX_PROBE_INTERVAL), and a round that plans DSpark on its own merits brings
     the interval back to REFRESH_ROUNDS (the price still applies)."""
     assert (REFRESH_ROUNDS, LOSS_BOUND, MAX_PROBE_INTERVAL) == (4, 0.02, 64)
-    curve = tiny_sps_curve([60, 66, 80, 90, 100, 110, 120, 130, 140])  # raw ms (no majorant: not a "cpu" curve)
+    curve = tiny_sps_curve([60, 66, 80, 90, 100, 110, 120, 130, 140])  # ms per B
     curve.draft_ms = draft_ms
     correction = OnlineCorrection(prior=1.0)
     if factor != 1.0:

@@ -9,7 +9,7 @@ from conftest import CYCLE_VOCAB, LLAMA_DEFAULT_TOKENS, cycle_drafter, cycle_tar
 from transformers import DynamicCache
 
 from dspark_hf import SequentialTemperatureScaling
-from dspark_hf.decoding.lookup import MARGIN, LookupDrafting, plan_round
+from dspark_hf.decoding.lookup import MARGIN, plan_round
 from dspark_hf.runtime import profiling, sps
 from dspark_hf.runtime.profiling import (
     load_or_profile_sps,
@@ -19,7 +19,7 @@ from dspark_hf.runtime.profiling import (
     sps_cache_path,
     time_verify_step,
 )
-from dspark_hf.runtime.sps import NoisySPSWarning, SPSCurve, concave_majorant
+from dspark_hf.runtime.sps import NoisySPSWarning, SPSCurve
 
 KW = dict(max_tokens=4, context_len=8, contexts=(), min_repeats=2, max_repeats=2, progress=False)
 
@@ -56,53 +56,24 @@ def test_smooth_is_non_increasing(target):
     assert raw.smooth().steps_per_s == [1.0, 1.0, 0.5, 0.5]
 
 
-def test_concave_majorant_hand_values():
-    """Issue #28: the least non-decreasing concave majorant of a cost in ms over B = 1..n."""
-    assert concave_majorant([88, 88, 100, 106]) == pytest.approx([88, 94, 100, 106])  # B = 2 under the chord: raised
-    assert concave_majorant([90, 100, 80, 105]) == pytest.approx([90, 100, 102.5, 105])  # a dip below its neighbours
-    assert concave_majorant([90, 100, 104, 103]) == pytest.approx([90, 100, 104, 104])  # never below a smaller B
-    assert concave_majorant([83, 88.5, 94, 99.5, 105]) == pytest.approx([83, 88.5, 94, 99.5, 105])  # affine: kept
-    # flat then rising (convex, as on a GPU) becomes the chord: why only CPU curves are read through it
-    assert concave_majorant([60, 60, 60, 61]) == pytest.approx([60, 60 + 1 / 3, 60 + 2 / 3, 61])
-    assert concave_majorant([5]) == [5.0]
-
-
-def test_a_cpu_curve_plans_rounds_on_the_majorant_and_keeps_its_measurements():
-    """A profile that put B = 2 at the cost of B = 1 (88 / 88 ms, then 100, 106): a CPU curve's rounds read 94 ms, so
-    a one-token lookup with c = 0.1 no longer beats the target alone by the margin (1.1 / 94 < 1.05 / 88)."""
-    ms = [88.0, 88.0, 100.0, 106.0]
-    cpu = SPSCurve([1e3 / m for m in ms], "t", "AMD EPYC AVX2", "float32", "x", 256, 1, device_type="cpu")
-    assert [1e3 / r for r in cpu.round_rates(256, False, 4)] == pytest.approx([88, 94, 100, 106])
-    cpu.draft_ms = 10.0
-    assert [1e3 / r for r in cpu.round_rates(256, True, 4)] == pytest.approx([98, 104, 110, 116])
-    assert [1e3 / s for s in cpu.at(256)] == pytest.approx(ms)  # the rows keep what was measured
-    cpu.draft_ms = 0.0
-    other = SPSCurve([1e3 / m for m in ms], "t", "NVIDIA H200", "float32", "x", 256, 1, device_type="cuda")
-    assert [1e3 / r for r in other.round_rates(256, False, 4)] == pytest.approx(ms)  # not a CPU: as measured
-    rates = cpu.round_rates(256, False, 4)
-    assert plan_round([0.1], [0.0] * 3, rates, 3, rates, MARGIN)[0] == "target"
-    assert plan_round([0.1], [0.0] * 3, other.round_rates(256, False, 4), 3, margin=MARGIN)[0] == "lookup"
-
-
-
-def test_a_round_reads_the_majorant_of_the_sizes_it_can_verify():
-    """A CPU row profiled past what one round verifies, affine to B = 4 (80, 84, 88, 92 ms) and bending up beyond
-    (120, 160): the whole row's majorant is its chord (80 + 16 ms per token), which would price B = 2 at 96 ms; a round
-    that verifies at most 4 tokens reads the majorant of B = 1..4 alone, the measurements themselves."""
-    ms = [80.0, 84.0, 88.0, 92.0, 120.0, 160.0]
-    cpu = SPSCurve([1e3 / m for m in ms], "t", "AMD EPYC AVX2", "float32", "x", 256, 1, device_type="cpu")
-    assert [1e3 / r for r in cpu.round_rates(256, False, 4)] == pytest.approx([80, 84, 88, 92])
-    assert [1e3 / r for r in cpu.round_rates(256, False, 6)] == pytest.approx([80, 96, 112, 128, 144, 160])
-    assert [1e3 / r for r in cpu.round_rates(256, False, 2)] == pytest.approx([80, 84])
+def test_a_round_reads_the_sizes_as_measured():
+    """Issue #28: a CPU whose 2-row GEMM is its slow shape (ms 62, 87, 70, 66, 65, 76, as a 2-core AVX-512 EPYC
+    verifies at 1 thread): a round reads B = 2 at its own cost and B = 3-5 at theirs (a concave or monotone reading
+    would price them all at B = 2's), the drafter's pass added where the round drafts; the sizes the round can verify
+    only. A lookup of one token with c = 0.3 does not pay at B = 2 (nor a hybrid at B = 3 or 4 with a 20 ms pass),
+    three tokens with c = 0.3 each do at B = 4."""
+    ms = [62.0, 87.0, 70.0, 66.0, 65.0, 76.0]
+    cpu = SPSCurve([1e3 / m for m in ms], "t", "AMD EPYC AVX512", "float32", "x", 256, 1, device_type="cpu")
+    assert [1e3 / r for r in cpu.round_rates(256, False, 4)] == pytest.approx([62, 87, 70, 66])
+    cpu.draft_ms = 20.0
+    assert [1e3 / r for r in cpu.round_rates(256, True, 2)] == pytest.approx([82, 107])
     for bad in (0, 7):
         with pytest.raises(ValueError, match=r"max_tokens must be in 1\.\.6"):
             cpu.round_rates(256, False, bad)
-    # the planner at γ = 3 with no lookup match reads B <= 4: DSpark's c = 0.15 pays at 84 ms (Θ(1) = 1.15 / 84 >
-    # 1.05 / 80), not at the chord's 96 ms (1.15 / 96 < 1 / 80)
-    state = LookupDrafting(SequentialTemperatureScaling(temperatures=[1.0] * 3), cpu, max_tokens=5)
-    state.observe_block(torch.tensor([0.15] * 3))
-    plan = state.plan(torch.tensor([[1, 2, 3]]), 3, room=5)
-    assert (plan.source, plan.length) == ("dspark", None) and plan.theta == pytest.approx(1.15e3 / 84)
+    rates, drafted = cpu.round_rates(256, False, 4), cpu.round_rates(256, True, 4)
+    assert plan_round([0.3], [0.0] * 3, rates, 3, drafted, MARGIN)[0] == "target"  # 1.3 / 87 < 1.05 / 62
+    assert plan_round([0.3] * 3, [0.0] * 3, rates, 3, drafted, MARGIN)[:3] == ("lookup", 3, 3)  # 1.417 / 66
+
 
 def test_cache_round_trip(target, hf_home, monkeypatch):
     first = load_or_profile_sps(target, **KW)
@@ -283,6 +254,19 @@ def test_observe_moves_the_curve_toward_the_measured_times():
     assert ms[1] == pytest.approx(truth[1], rel=0.02) and ms[3] == pytest.approx(truth[3], rel=0.02)
     for b in (1, 3, 5):  # never observed: moved by their neighbours from 5000 ms to the measured range
         assert 55 < ms[b - 1] < 75
+
+
+def test_the_targets_token_alone_moves_only_its_own_cost():
+    # issue #28: target-alone rounds (B = 1) must not pull the block sizes toward a plain step's cost
+    curve = SPSCurve(steps_per_s=[1e3 / m for m in (60.0, 84.0, 70.0, 66.0)], target_name="t", device_name="cpu",
+                     dtype="float32", torch_version="x", context_len=256, n_params=1)
+    for _ in range(50):
+        curve.observe(1, 256, 0.050)
+    ms = [1e3 / s for s in curve.steps_per_s]
+    assert ms[0] == pytest.approx(50.0, rel=0.01) and ms[1:] == pytest.approx([84.0, 70.0, 66.0], abs=1e-9)
+    curve.observe(2, 256, 0.084)  # a block still pulls its neighbours, B = 1 included
+    after = [1e3 / s for s in curve.steps_per_s]
+    assert after[0] > ms[0] and after[2] > 70.0
 
 
 def test_one_spike_moves_the_estimate_by_its_weight_only():

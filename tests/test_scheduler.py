@@ -72,6 +72,21 @@ def test_expected_throughputs_by_hand():
     assert expected_throughputs([0.5, 0.5], [2.0, 1.0]) == pytest.approx([2.0, 1.5], abs=1e-12)  # ℓ <= len(sps) - 1
 
 
+def test_a_list_of_floats_gives_what_its_tensor_gives():
+    # the planner's lists skip the tensor checks: the same floats as a float64 tensor, and invalid lists still raise
+    g = torch.Generator().manual_seed(0)
+    sps = [1000.0 / m for m in (65, 70, 74, 80, 85, 91, 96, 100)]
+    for _ in range(50):
+        c = torch.rand(7, generator=g, dtype=torch.float64)
+        assert expected_throughputs(c.tolist(), sps) == expected_throughputs(c, sps)
+    assert expected_throughputs([1, 0], sps) == expected_throughputs([1.0, 0.0], sps)  # ints: through the tensor path
+    for bad in ([1.5], [float("nan")], [-0.1, 0.5]):
+        with pytest.raises(ValueError, match=r"\[0, 1\]"):
+            expected_throughputs(bad, sps)
+    with pytest.raises(ValueError, match="shape"):
+        expected_throughputs([], sps)
+
+
 def test_a_tie_is_not_an_improvement():
     # Θ(1) = (1 + 0.5) · 1.0 = 1.5 = Θ(0) = 1 · 1.5 exactly: Algorithm 1 admits only a strict gain
     assert schedule_prefix([0.5], [1.5, 1.0]) == 0

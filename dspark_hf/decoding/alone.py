@@ -17,7 +17,7 @@ paper §3.2.2, with the planner's margin and probes):
 
 The rates are the engine's step costs at R = 1 (:meth:`~dspark_hf.decoding.batch_costs.StepCosts.alone_rates`,
 without and with the drafter's pass), the verification read as the single path reads it
-(:meth:`~dspark_hf.SPSCurve.round_ms`: the sizes the step can verify, concave majorant on a CPU). After verification the
+(:meth:`~dspark_hf.SPSCurve.round_ms`: the sizes the step can verify). After verification the
 lookup estimate scores the continuation against the tokens the step produced (whatever was proposed) and the online
 correction hears from the drafter's own verified drafts after the forced ones
 (:meth:`~dspark_hf.decoding.calibration.OnlineCorrection.observe_round`, the single path's rule).

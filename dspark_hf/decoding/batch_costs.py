@@ -119,8 +119,8 @@ class StepCosts:
 
     def alone_rates(self, context: int, drafting: bool, max_tokens: int) -> list[float]:
         """:meth:`rates` of a request alone in flight verifying ``B = 1..max_tokens`` tokens, its verification read
-        as the single-request path reads it (:meth:`~dspark_hf.SPSCurve.round_ms`: the sizes it can verify, through
-        their concave majorant on a CPU curve), so both paths price a round alike.
+        as the single-request path reads it (:meth:`~dspark_hf.SPSCurve.round_ms`: the sizes it can verify), so both
+        paths price a round alike.
 
         Raises:
             ValueError: ``max_tokens`` outside ``1..sps.max_tokens``.

@@ -265,9 +265,14 @@ class OnlineCorrection:
         """``f = (accepted + m) / (expected + m)``."""
         return (self.accepted + self.prior) / (self.expected + self.prior)
 
-    def apply(self, calibrated: torch.Tensor) -> torch.Tensor:
-        """``min(1, f · c')`` of calibrated conditionals ``(..., γ)`` (same shape, dtype, device)."""
-        return (calibrated * self.factor).clamp(max=1.0)
+    def apply(self, calibrated: torch.Tensor | Sequence[float]) -> torch.Tensor | list[float]:
+        """``min(1, f · c')`` of calibrated conditionals: a tensor ``(..., γ)`` (same shape, dtype, device), or a
+        sequence of ``γ`` floats as a list (what the round planner reads every round, without torch ops; the same
+        float64 products as a float64 tensor's)."""
+        if isinstance(calibrated, torch.Tensor):
+            return (calibrated * self.factor).clamp(max=1.0)
+        factor = self.factor
+        return [min(1.0, c * factor) for c in calibrated]
 
     def observe(self, calibrated: Sequence[float], accepted: int) -> None:
         """Fold in one verified round: ``calibrated`` = the (uncorrected) calibrated conditionals of the ℓ verified

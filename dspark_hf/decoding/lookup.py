@@ -98,29 +98,33 @@ def find_continuation(ids: torch.Tensor | Sequence[int], max_tokens: int, max_ng
 
     Returns:
         :class:`LookupMatch` with 1..``max_tokens`` tokens and ``match_length`` in 1..``max_ngram``, or
-        ``None`` when the anchor never occurred before.
+        ``None`` when the anchor never occurred before (or ``max_ngram < 1``).
     """
-    seq = torch.as_tensor(ids).reshape(-1).cpu()
-    n_ids = seq.numel()
-    if n_ids < 2 or max_tokens <= 0:
+    seq = ids.reshape(-1).tolist() if isinstance(ids, torch.Tensor) else list(ids)
+    last = len(seq) - 1  # the anchor's position
+    if last < 1 or max_tokens <= 0 or max_ngram < 1:
         return None
-    alive = seq[:-1] == seq[-1]  # (L-1,): candidate end positions p with seq[p] == anchor
-    length = torch.zeros(n_ids - 1, dtype=torch.long)
-    for k in range(min(max_ngram, n_ids - 1)):
-        if k > 0:  # extend: seq[p - k] == seq[L - 1 - k]
-            extends = torch.zeros(n_ids - 1, dtype=torch.bool)
-            extends[k:] = seq[: n_ids - 1 - k] == seq[n_ids - 1 - k]
-            alive &= extends
-        if not alive.any():
+    # plain Python, not tensor ops: this runs every round, and a few hundred tokens scanned by list.index cost less
+    # than the dozen small torch ops a vectorised match needs (issue #28: the planner's share of a plain step)
+    anchor, depth = seq[last], min(max_ngram, last)
+    best, ends, p = 0, [], -1  # ends: the positions whose match is `best` long, ascending
+    while True:
+        try:
+            p = seq.index(anchor, p + 1, last)  # the next earlier occurrence of the anchor
+        except ValueError:
             break
-        length += alive
-    best = int(length.max())
+        n = 1
+        while n < depth and n <= p and seq[p - n] == seq[last - n]:
+            n += 1
+        if n > best:
+            best, ends = n, [p]
+        elif n == best:
+            ends.append(p)
     if best == 0:
         return None
-    ends = (length == best).nonzero().flatten()  # ascending positions
-    full = ends[ends + max_tokens <= n_ids - 1]
-    p = int(full[-1]) if full.numel() else int(ends[0])
-    return LookupMatch(tuple(seq[p + 1: p + 1 + max_tokens].tolist()), best)
+    full = [e for e in ends if e + max_tokens <= last]
+    p = full[-1] if full else ends[0]
+    return LookupMatch(tuple(seq[p + 1: p + 1 + max_tokens]), best)
 
 
 @dataclass(frozen=True)
@@ -303,7 +307,7 @@ class RoundPlanner:
         correction applied (``None`` before the first block)."""
         if self.block_estimate is None or self.correction is None:
             return self.block_estimate
-        return self.correction.apply(torch.tensor(self.block_estimate, dtype=torch.float64)).tolist()
+        return self.correction.apply(self.block_estimate)
 
     def observe_block(self, confidences: torch.Tensor) -> None:
         """Keep the calibrated confidences ``(γ,)`` of the block just drafted as the next rounds' DSpark estimate."""

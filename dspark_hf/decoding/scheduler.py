@@ -42,7 +42,14 @@ def _check_confidences(c: torch.Tensor) -> None:
 
 
 def _one_request(confidences: torch.Tensor | Sequence[float]) -> list[float]:
-    """Validated conditional confidences ``c[1..γ]`` of one request, as Python floats."""
+    """Validated conditional confidences ``c[1..γ]`` of one request, as Python floats.
+
+    A list or tuple of Python floats in ``[0, 1]`` is returned as it is, without torch: the round planner
+    (:mod:`dspark_hf.decoding.lookup`) evaluates Θ several times a round, where a tensor's creation and checks cost
+    more than the maths. Anything else, valid or not, goes through the tensor checks (same values, same errors)."""
+    if isinstance(confidences, (list, tuple)) and confidences and all(
+            type(c) is float and 0.0 <= c <= 1.0 for c in confidences):
+        return list(confidences)
     c = _as_tensor(confidences)
     if c.ndim != 1:
         raise ValueError(f"one request's confidences must have shape (γ,), got shape {tuple(c.shape)}.")

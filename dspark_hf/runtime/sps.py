@@ -6,10 +6,8 @@ verification (bookkeeping, the drafter's pass), learnt the same way. Measuring t
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 FORMAT_VERSION = 2  # 2 added context_curves, noisy, spread, observations, counts, online; later overhead_ms, draft_ms
@@ -27,34 +25,6 @@ ENGINE_TABLES = ("sglang", "tensorrt-llm")  # SPSCurve.engine_table formats
 
 class NoisySPSWarning(UserWarning):
     """The SPS curve was measured (or cached) with a spread too wide to trust; see :func:`profile_sps`."""
-
-
-def concave_majorant(ms: Sequence[float]) -> list[float]:
-    """The least non-decreasing concave majorant of a verification cost ``ms[B - 1]`` over ``B = 1..n`` (issue #28).
-
-    The upper convex hull of the points ``(B, ms[B - 1])`` (the least concave function above them), then a running
-    maximum (once the hull falls it stays at its peak): every value is at least the measured one, a size measured
-    below the chord of its neighbours is raised to it, and no size costs less than a smaller one.
-
-    Args:
-        ms: milliseconds per verification of ``B`` tokens, index ``B - 1``, ``n >= 1`` values.
-
-    Returns:
-        ``n`` values in ms, ``>= ms`` elementwise, non-decreasing, with non-increasing increments.
-    """
-    hull: list[tuple[int, float]] = []
-    for point in enumerate(ms, start=1):
-        while len(hull) >= 2:  # drop the last hull point while it lies on or below the chord to the new point
-            (b0, m0), (b1, m1) = hull[-2], hull[-1]
-            if (m1 - m0) * (point[0] - b0) > (point[1] - m0) * (b1 - b0):
-                break
-            hull.pop()
-        hull.append(point)
-    out = []
-    for (b0, m0), (b1, m1) in zip(hull, hull[1:]):  # the hull's chords, B = b0 .. b1 - 1
-        out += [m0 + (m1 - m0) * (b - b0) / (b1 - b0) for b in range(b0, b1)]
-    out.append(float(hull[-1][1]))
-    return list(itertools.accumulate(out, max))
 
 
 @dataclass
@@ -90,8 +60,7 @@ class SPSCurve:
         draft_ms: milliseconds of the drafter's pass in a round that drafts (a prompt-lookup round or a plain
             target step skips it), learnt by :meth:`observe_round`; 0 until then.
         device_type: ``"cpu"``, ``"cuda"``, ... (``""``: a curve stored before it was recorded; ``dspark profile
-            --refresh`` records it). A ``"cpu"`` curve's rounds are planned on its rows' :func:`concave_majorant`
-            (:meth:`round_rates`).
+            --refresh`` records it).
 
     Raises:
         ValueError: empty curve, a non-positive / non-finite value, or a row of another length.
@@ -184,8 +153,13 @@ class SPSCurve:
         ``b`` itself was observed, :attr:`counts`). Sizes the scheduler never picks are pulled toward what
         their neighbours cost, so a size a bad curve made look too expensive soon looks affordable, gets
         verified and is then measured itself (after which its neighbours' pull fades): a curve wrong
-        everywhere heals. In log space one spike of 10× moves the estimate by only ``10**weight`` (1.26×
-        at the default).
+        everywhere heals. An observation at ``B = 1`` moves ``B = 1`` only: the target's token alone is a
+        different forward from a block's (a matrix-vector product: on a CPU the transposed single row, issue #23), so
+        its time says nothing of what a block costs, and the long stretches of target-alone rounds of a prompt the
+        drafter cannot follow would pull every block size toward a plain step's cost (issue #28: ``B = 2`` read at
+        1.23× ``B = 1`` fell to 1.02× over 50 such rounds on a 2-core EPYC where it costs 1.40×; observations at
+        ``B >= 2`` still pull ``B = 1``). In log space one spike of 10× moves the estimate by only ``10**weight``
+        (1.26× at the default).
 
         Args:
             n_tokens: ``B``, tokens the target verified (``ℓ + 1``), in ``1..max_tokens``.
@@ -206,7 +180,7 @@ class SPSCurve:
             self.context_curves[key] = self.at(key)
         row = self.rows[key]
         counts = self.counts.setdefault(key, [0] * len(row))
-        for b in range(len(row)):  # row[b] = SPS(b + 1) = 1e3 / ms(b + 1)
+        for b in range(len(row)) if n_tokens > 1 else (0,):  # row[b] = SPS(b + 1) = 1e3 / ms(b + 1)
             delta = math.log(seconds * row[b])  # log(observed ms / modelled ms of size b + 1)
             w = weight if b + 1 == n_tokens else weight * decay ** abs(b + 1 - n_tokens) / (1 + counts[b])
             row[b] *= math.exp(-w * delta)
@@ -245,19 +219,13 @@ class SPSCurve:
         ``Θ = τ · SPS(B)`` (§3.2.2) counts the verification alone, right where drafting and bookkeeping are
         negligible next to the target's step; on a CPU they are ~10-25 % of a round, and a prompt-lookup round
         (no drafter pass) would otherwise be undervalued. With no costs learnt yet (or ``online=False``) this is
-        :meth:`at`, except on a CPU curve (``device_type == "cpu"``), whose verification costs in ms are read as
-        their :func:`concave_majorant` (issue #28): a profile of a few sweeps on a noisy machine leaves each
-        size's median with a ~7-9 % standard deviation against ``B = 1`` (40 sweeps on a 2-core AVX2 EPYC: ``B = 2``
-        costs 1.08× ``B = 1``, while profiles of 3 sweeps ranged 0.96-1.25×), and an online estimate of a size
-        rarely verified keeps similar dips; the measured CPU curve is close to affine in ``B`` (~5.5 ms per token
-        on 83 ms), which is its own majorant, so the majorant lifts only what noise bent below the chord of the
-        neighbours, and a proposal is never planned on a verification cheaper than the shape allows. The majorant
-        is taken over the sizes the round can verify alone (``B <= max_tokens``): a row profiled further (64 tokens
-        for the batched engine) bends up where compute binds, and its chord would lift the small sizes. The rows
-        themselves (the cache, :meth:`observe`, reports) keep the measured values; :meth:`smooth` (running
-        minimum of SPS, monotone only) is the paper's §5.2 reading of jagged curves for the global search, and the
-        batched engine reads :meth:`at` raw (up to 128 tokens the CPU curve bends up where compute binds, which a
-        concave majorant would overstate).
+        :meth:`at`. The sizes are read as measured, with no shape imposed (issue #28): a 2-core AVX-512 EPYC at 1
+        thread verifies ``B = 2`` at 1.40× ``B = 1`` but ``B = 3-6`` at 1.01-1.12× and ``B = 8`` at 1.23× (a 2-row
+        GEMM is its slow shape), so a concave majorant (read here before) priced every block at ``B = 2``'s cost and
+        a lookup of 2-5 tokens 20-30 % too dear, and a monotone reading would do the same; measured against it in
+        lockstep (with :meth:`observe`'s rule that ``B = 1`` refines only itself), the default gained 4-8 % on the
+        low-acceptance prompts it lost on (0.95 -> 0.99× plain) and on most others. A profile's noise (a size's median within ~7-9 % of ``B = 1`` over a few sweeps) is left to
+        the online refinement (:meth:`observe`), which measures every size the rounds verify.
 
         Args:
             context_len: tokens in the target's KV cache before the verification.
@@ -278,15 +246,14 @@ class SPSCurve:
     def round_ms(self, context_len: int, max_tokens: int) -> list[float]:
         """ms per verification of ``B = 1..max_tokens`` tokens as one request's round reads them
         (:meth:`round_rates`; the concurrent engine's plan for a request alone in flight): the row at
-        ``context_len`` cut to the sizes the round can verify, through its :func:`concave_majorant` on a CPU curve.
+        ``context_len`` cut to the sizes the round can verify.
 
         Raises:
             ValueError: ``max_tokens`` outside ``1..self.max_tokens``.
         """
         if not 1 <= max_tokens <= self.max_tokens:
             raise ValueError(f"max_tokens must be in 1..{self.max_tokens} (the curve's B), got {max_tokens}.")
-        ms = [1e3 / s for s in self.at(context_len)[:max_tokens]]
-        return concave_majorant(ms) if self.device_type == "cpu" else ms
+        return [1e3 / s for s in self.at(context_len)[:max_tokens]]
 
     def smooth(self) -> SPSCurve:
         """Copy with every row made monotone non-increasing in ``B`` by a running minimum (paper §5.2:
