@@ -6,15 +6,16 @@ oneDNN's prepacked inner product beat torch's stock ``F.linear`` for a single ro
 slowed a 2-thread step; on another (AVX2 only) the stock kernel was 10-13 % faster for a 1-token forward and
 folding 2-33 % faster on 2 threads. Both are exact to float32 rounding, so the choice changes speed only.
 
-Where choices are stored. Timing a choice costs 25-35 ms (attention) to ~2 s (the 1-token forward of the linear
-kernels), and two close kernels can come out in either order: head by head at 1 thread won in 9 of 10 processes on
-one EPYC. The choices are part of the SPS curve's cache key
+Where choices are stored. Timing them cost a process that loads SmolLM2-135M 2.0-3.5 s (the 1-token forward of the
+linear kernels most of it; the attention's choices 25-35 ms), and two close kernels can come out in either order:
+head by head at 1 thread won in 9 of 10 processes on one EPYC. The choices are part of the SPS curve's cache key
 (:func:`~dspark_hf.runtime.targets.kernels_label`), so a process whose choice flipped profiled the curve again. So
-:func:`faster` measures a choice once and stores it in ``cache_root() / "kernels" / <machine> / <what>-<key>.json``
-(``$HF_HOME/dspark_hf/kernels``, :func:`choices_dir`), the machine's folder named by a hash of the CPU model,
-instruction set, cores and torch's thread count (:attr:`~dspark_hf.runtime.machine.Machine.cpu_label`) and the torch
-version; later processes read it. To measure again (on a quiet machine): ``dspark profile --refresh``
-(:func:`forget_choices`, this machine at the current thread count), or delete the ``kernels`` folder.
+:func:`faster` measures a choice once and stores it, with each kernel's median (ms), in ``cache_root() / "kernels" /
+<machine> / <what>-<key>.json`` (``$HF_HOME/dspark_hf/kernels``, :func:`choices_dir`), the machine's folder named by a
+hash of the CPU model, instruction set, cores and torch's thread count
+(:attr:`~dspark_hf.runtime.machine.Machine.cpu_label`) and the torch version; later processes read it (~3 ms). To
+measure again (on a quiet machine): ``dspark profile --refresh`` (:func:`forget_choices`, this machine at the current
+thread count), or delete the ``kernels`` folder.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def _store_choice(path: Path, key: tuple, choice: int, medians: Sequence[float])
     """Write the measured ``choice`` for ``key`` to ``path`` atomically, with the medians it was chosen by (ms); warn
     (without raising) where it cannot be written."""
     machine = describe_machine()
-    record = {"key": [str(part) for part in key], "choice": choice, "median_ms": [1e3 * m for m in medians],
+    record = {"key": [str(part) for part in key], "choice": choice, "median_ms": [round(1e3 * m, 4) for m in medians],
               "machine": machine.cpu_label, "torch": machine.torch}
     try:
         write_cache_file(path, json.dumps(record, indent=1) + "\n")
