@@ -61,12 +61,13 @@ def faster(key: tuple, make_kernels: Callable[[], Sequence[Callable[[], object]]
     """
     key = (*key, torch.get_num_threads())
     if key not in _CHOICES:
-        path = choices_dir() / f"{key[0]}-{cache_digest([str(part) for part in key])}.json"
-        choice = _read_choice(path, key)
+        stored = [str(part) for part in key]  # the key as its file holds it
+        path = choices_dir() / f"{key[0]}-{cache_digest(stored)}.json"
+        choice = _read_choice(path, stored)
         if choice is None:
             medians = _medians(make_kernels(), repeats)
             choice = medians.index(min(medians))
-            _store_choice(path, key, choice, medians)
+            _store_choice(path, stored, choice, medians)
         _CHOICES[key] = choice
     return _CHOICES[key]
 
@@ -92,15 +93,15 @@ def choices_dir() -> Path:
     return cache_root() / "kernels" / cache_digest([machine.cpu_label, machine.torch, STORE_FORMAT])
 
 
-def _read_choice(path: Path, key: tuple) -> int | None:
-    """The choice stored in ``path`` for ``key``; ``None`` where there is none, or (with a warning) where the file is
-    unreadable or holds no valid choice for ``key``."""
+def _read_choice(path: Path, key: list[str]) -> int | None:
+    """The choice stored in ``path`` for ``key`` (its parts as ``str``); ``None`` where there is none, or (with a
+    warning) where the file is unreadable or holds no valid choice for ``key``."""
     if not path.exists():
         return None
     try:
         record = json.loads(path.read_text())
         choice = record["choice"]
-        if (record["key"] != [str(part) for part in key] or type(choice) is not int
+        if (record["key"] != key or type(choice) is not int
                 or not 0 <= choice < len(record["median_ms"])):
             raise ValueError(f"not a choice for {key}")
         return choice
@@ -110,11 +111,11 @@ def _read_choice(path: Path, key: tuple) -> int | None:
         return None
 
 
-def _store_choice(path: Path, key: tuple, choice: int, medians: Sequence[float]) -> None:
-    """Write the measured ``choice`` for ``key`` to ``path`` atomically, with the medians it was chosen by (ms); warn
-    (without raising) where it cannot be written."""
+def _store_choice(path: Path, key: list[str], choice: int, medians: Sequence[float]) -> None:
+    """Write the measured ``choice`` for ``key`` (its parts as ``str``) to ``path`` atomically, with the medians it was
+    chosen by (ms); warn (without raising) where it cannot be written."""
     machine = describe_machine()
-    record = {"key": [str(part) for part in key], "choice": choice, "median_ms": [round(1e3 * m, 4) for m in medians],
+    record = {"key": key, "choice": choice, "median_ms": [round(1e3 * m, 4) for m in medians],
               "machine": machine.cpu_label, "torch": machine.torch}
     try:
         write_cache_file(path, json.dumps(record, indent=1) + "\n")
