@@ -9,7 +9,9 @@ torch or another part of the package, so every layer may use it (``modeling/`` d
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
 import re
 from pathlib import Path
@@ -119,8 +121,30 @@ def _in_checkout() -> bool:
 
 
 def cache_root() -> Path:
-    """Folder where dspark-hf keeps converted targets and SPS profiles (inside ``HF_HOME``)."""
+    """Folder where dspark-hf keeps converted targets, SPS profiles and kernel choices (inside ``HF_HOME``)."""
     return Path(os.environ.get("HF_HOME", HF_HOME)) / "dspark_hf"
+
+
+def cache_digest(key) -> str:
+    """12 hex digits of SHA-256 over ``key`` (anything JSON holds) as JSON with sorted keys: a cache file's name for
+    what identifies its content."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def write_cache_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically, its folders created: a temporary file beside it, then a rename, so a
+    concurrent reader never sees half a file and of concurrent writers the last one's whole file stays.
+
+    Raises:
+        OSError: the file or its folder cannot be written (the temporary file is removed).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 _HUB_NAMESPACE = re.compile(r"[A-Za-z0-9](?:-?[A-Za-z0-9])*")  # Hub account names: letters, digits, single dashes

@@ -1,8 +1,9 @@
 """Helpers shared by the test modules: tiny random Llama targets, the "cycle" target and drafter, a CPU SPS curve.
 
-They are plain functions (``from conftest import tiny_llama``; pytest puts ``tests/`` on ``sys.path``) plus two
-fixtures: ``one_thread``, which a module opts into with ``pytestmark = pytest.mark.usefixtures("one_thread")``, and
-``forward_calls``, which counts the forward passes of the module's ``target`` fixture.
+They are plain functions (``from conftest import tiny_llama``; pytest puts ``tests/`` on ``sys.path``) plus three
+fixtures: ``one_thread``, which a module opts into with ``pytestmark = pytest.mark.usefixtures("one_thread")``,
+``forward_calls``, which counts the forward passes of the module's ``target`` fixture, and ``kernel_choices_here``,
+which every test gets.
 Every builder seeds torch itself, so a module gets the same weights whichever test builds them first.
 """
 
@@ -11,6 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling, SPSCurve
+from dspark_hf.runtime import tuning
 
 
 @pytest.fixture(scope="module")
@@ -20,6 +22,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def kernel_choices_here(tmp_path, monkeypatch):
+    """Kernel choices (dspark_hf.runtime.tuning) stored in the test's own folder, not in the user's HF_HOME, which the
+    default target's tests still read: a fake clock's choice must not reach a real run, nor a stored choice stand in
+    for a test's timing. Choices this process remembers are kept (the default target's take seconds to time)."""
+    monkeypatch.setattr(tuning, "cache_root", lambda: tmp_path / "hf_home" / "dspark_hf")
 
 
 @pytest.fixture

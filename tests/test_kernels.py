@@ -66,7 +66,7 @@ def test_a_single_row_runs_the_kernel_the_forward_is_fastest_with(chosen, monkey
     monkeypatch.setattr(kernels, "F", recording)
     model = prepack_linears(tiny_llama(32, 16, 1))
     assert kernels.choose_one_row_kernel(model) == ONE_ROW_KERNELS[chosen]
-    assert asked == [("forward-1-row", sum(p.numel() for p in model.parameters()), torch.float32)]
+    assert asked == [("forward-1-row", ONE_ROW_KERNELS, sum(p.numel() for p in model.parameters()), torch.float32)]
     packed = [getattr(m, PACKED_ATTR) for m in model.modules() if hasattr(m, PACKED_ATTR)]
     assert {p.one_row for p in packed} == {ONE_ROW_KERNELS[chosen]}
     assert linear_kernels(model) == ("onednn-prepacked", "onednn-prepacked+stock-row",

@@ -21,7 +21,10 @@ def default_max_tokens() -> int:
 def run(args):
     from ..runtime.profiling import load_or_profile_sps, plot_sps, profile_sps, sps_cache_path
     from ..runtime.sps import DEFAULT_CONTEXTS
+    from ..runtime.tuning import forget_choices
 
+    if args.refresh:  # before loading: the target's kernel choices are timed (or read) as it loads
+        forget_choices()
     target, _ = load_cli_target(args)
     contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else DEFAULT_CONTEXTS
     kwargs = dict(max_tokens=args.max_tokens or default_max_tokens(), context_len=args.context_len,
@@ -52,7 +55,9 @@ def run(args):
 
 def add_parser(sub):
     p = add_command(sub, NAME, run, HELP, kernels=True, compute=True)
-    p.add_argument("--refresh", action="store_true", help="measure again and replace the cached curve (e.g. on a quiet machine)")
+    p.add_argument("--refresh", action="store_true",
+                   help="measure again (e.g. on a quiet machine): the kernel choices at this thread count, then the "
+                        "curve, replacing the stored ones")
     p.add_argument("--max-tokens", type=int, default=None, help="largest B (default: the shipped drafter's γ + 1)")
     p.add_argument("--context-len", type=int, default=256, help="context of the primary row (part of the cache key)")
     p.add_argument("--contexts", default=None,

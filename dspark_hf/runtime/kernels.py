@@ -174,8 +174,8 @@ def choose_one_row_kernel(model: nn.Module, repeats: int = TUNE_REPEATS) -> str:
     :data:`ONE_ROW_KERNELS` under which the model's 1-token forward is fastest on this CPU.
 
     Timed as a whole forward (no cache, one token), interleaved, ``repeats`` times after a warm-up
-    (:func:`~dspark_hf.runtime.tuning.faster`, remembered per model size and thread count; ~2-3 s on a 2-core
-    CPU), because a kernel timed alone misleads: on a 2-core AVX2 EPYC oneDNN ran SmolLM2's lm_head alone 1.2×
+    (:func:`~dspark_hf.runtime.tuning.faster`, stored per model size, thread count and machine; ~2-3 s on a 2-core
+    CPU, once), because a kernel timed alone misleads: on a 2-core AVX2 EPYC oneDNN ran SmolLM2's lm_head alone 1.2×
     faster for one row, yet the 1-token forward was 73 ms with every single row on ``F.linear`` against 85 ms
     prepacked (1 thread, ctx 256, interleaved medians of 15); on an AVX-512 EPYC prepacked was the faster (lm_head
     7.3 against 10.2 ms), on a Xeon the stock one (a forward 54.9 against 60.8 ms). On the AVX2 EPYC ``x @ W^T`` on
@@ -208,7 +208,7 @@ def choose_one_row_kernel(model: nn.Module, repeats: int = TUNE_REPEATS) -> str:
         return [forward_with(kernel) for kernel in ONE_ROW_KERNELS]
 
     n_params = sum(p.numel() for p in model.parameters())
-    chosen = ONE_ROW_KERNELS[faster(("forward-1-row", n_params, model.dtype), candidates, repeats)]
+    chosen = ONE_ROW_KERNELS[faster(("forward-1-row", ONE_ROW_KERNELS, n_params, model.dtype), candidates, repeats)]
     for weight, packed in linears:
         packed.use_one_row(chosen, weight)
     return chosen

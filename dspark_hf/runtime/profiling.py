@@ -33,8 +33,6 @@ the thread count is part of the cache key.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
 import re
@@ -49,7 +47,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..defaults import cache_root
+from ..defaults import cache_digest, cache_root, write_cache_file
 from .kv_cache import GrowingLayer, generation_cache
 from .machine import Machine, describe_machine
 from .targets import kernels_label
@@ -244,7 +242,7 @@ def profile_sps(
     if curve.noisy:
         warnings.warn(_noisy_message(curve), NoisySPSWarning, stacklevel=2)
     if cache:
-        _write(curve, sps_cache_path(target, context_len))
+        write_cache_file(sps_cache_path(target, context_len), curve.to_json())
     return curve.smooth() if smooth else curve
 
 
@@ -296,23 +294,14 @@ def sps_cache_path(target: torch.nn.Module, context_len: int = 256) -> Path:
     ``context_len``. ``cache_root()`` follows ``HF_HOME`` at call time. Delete the file to re-profile.
     """
     key = {**_describe(target), "context_len": context_len}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", key["target_name"].rstrip("/").split("/")[-1]) or "unnamed"
-    return cache_root() / "sps" / f"{name}-{key['dtype']}-ctx{context_len}-{digest}.json"
-
-
-def _write(curve: SPSCurve, path: Path) -> None:
-    """Write ``curve`` atomically (a concurrent reader never sees half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
-    tmp.write_text(curve.to_json())
-    tmp.replace(path)
+    return cache_root() / "sps" / f"{name}-{key['dtype']}-ctx{context_len}-{cache_digest(key)}.json"
 
 
 def save_sps(curve: SPSCurve, target: torch.nn.Module) -> Path:
     """Store ``curve`` (e.g. after online refinement) as the cached curve of ``target``; returns the path."""
     path = sps_cache_path(target, curve.context_len)
-    _write(curve, path)
+    write_cache_file(path, curve.to_json())
     return path
 
 

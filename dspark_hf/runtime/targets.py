@@ -140,8 +140,9 @@ def kernels_label(model: torch.nn.Module) -> str:
     (:func:`~dspark_hf.runtime.attention.model_splits_heads`, timed here if it was not yet), and ``+tuned`` where
     kernels are chosen by timing them on the machine (:mod:`~dspark_hf.runtime.tuning`: a prepacked linear's single
     row, the attention's folding and head split), e.g.
-    ``"onednn-prepacked+transposed-row+sdpa-gqa+head-by-head+growing-cache+tuned"``. A label that changes (another
-    thread count, a choice that flips) keys another SPS curve, which is profiled once."""
+    ``"onednn-prepacked+transposed-row+sdpa-gqa+head-by-head+growing-cache+tuned"``. A label that changes keys
+    another SPS curve, which is profiled once; the choices are stored per machine and thread count
+    (:func:`~dspark_hf.runtime.tuning.choices_dir`), so it changes with those or ``dspark profile --refresh``."""
     gqa, prepacked = uses_gqa_attention(model), is_prepacked(model)
     return (linear_kernels(model) + "+sdpa-gqa" * gqa + "+head-by-head" * model_splits_heads(model)
             + "+growing-cache" * uses_growing_cache(model) + "+tuned" * (gqa or prepacked))
