@@ -348,6 +348,45 @@ def test_lockstep_wall_clock_pass_on_a_model_matches_plain_generate():
     assert not mismatches and row["speedup"] == pytest.approx(sum(row["speedup_runs"]) / 2)
 
 
+def test_lockstep_floor_pass_compares_each_floor_run_with_its_own_plain_partner(monkeypatch):
+    """--lockstep, pass 4: every floor run in lockstep with a plain run of its own (``lockstep_runs``), its rounds
+    lined up with its own forwards, and each arm's floor taken against its own partners' steps, not every plain run;
+    the outputs still match plain greedy."""
+    from dspark_hf.bench import floor, methods
+    from dspark_hf.bench.analysis import prompt_floor
+
+    target = tiny_llama(V, D, 2, intermediate_size=96, head_dim=16, max_position_embeddings=512)
+    drafters = {"dspark": tiny_drafter(target, "markov", True), "dspark-rnn": tiny_drafter(target, "rnn", True)}
+    settings = bench.BenchSettings(gamma=3, max_new_tokens=10, floor_repeats=2, warmup_tokens=0, lockstep=True)
+    plan = bench.plan_methods(drafters, {}, settings)
+    for arm in methods.floor_methods(plan):  # warm-up, as the runner's pass 2 is: lazy SPS profiling runs forwards
+        arm.run(target, [5, 6, 7, 8], 3, drafters)
+    paired, compared = [], []
+
+    def lockstep_spy(*args):
+        paired.append(methods.lockstep_runs(*args))
+        return paired[-1]
+
+    def prompt_floor_spy(plains, runs):
+        compared.append((plains, runs))
+        return prompt_floor(plains, runs)
+
+    monkeypatch.setattr(floor, "lockstep_runs", lockstep_spy)
+    monkeypatch.setattr(floor, "prompt_floor", prompt_floor_spy)
+    costs, mismatches = floor.floor_pass(target, drafters, plan, {"s": [("p0", [5, 6, 7, 8])]}, settings, log=lambda *a: None)
+    arms = ["dspark:scheduler+lookup", "dspark-rnn:scheduler+lookup"]
+    assert list(costs) == arms and not mismatches
+    [(runs, partners, _)] = paired  # one prompt: one call, 2 repeats x 2 arms = 4 pairs
+    assert len(runs["plain"]) == 4 and [len(partners[a]) for a in arms] == [2, 2]
+    assert len({id(p) for a in arms for p in partners[a]}) == 4  # a plain partner of its own for every floor run
+    for arm, (plains, floor_runs) in zip(arms, compared, strict=True):
+        assert [id(r) for r in floor_runs] == [id(r) for r in runs[arm]]
+        assert [id(p) for p in plains] == [id(p) for p in partners[arm]]  # its partners only
+        assert all(len(r.forward_ms) == 1 + len(r.stats.rounds) == 10 for r in floor_runs)
+        assert costs[arm]["s"]["floor_rounds"] == 2 * (10 - 2)  # every round but each run's last is a floor round
+        assert costs[arm]["s"]["ratio"] == pytest.approx(prompt_floor(partners[arm], runs[arm])["ratio"])
+
+
 def test_pooled_tau_weights_prompts_by_rounds():
     rows = [{"tau": 2.0, "rounds": 10}, {"tau": 1.0, "rounds": 30}, {"tau": None, "rounds": None}]
     assert wall_clock.pooled_tau(rows) == pytest.approx((20 + 30) / 40)  # not the mean of per-prompt τ, 1.5

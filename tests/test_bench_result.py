@@ -107,3 +107,17 @@ def test_report_says_how_many_runs_a_prompt_had_and_that_the_floor_was_skipped()
     settings = dataclasses.replace(result.settings, repeats=1, lockstep=True)
     report = markdown_report(dataclasses.replace(result, settings=settings))
     assert "in lockstep with a plain `generate` of its own" in report and "1 such pair per prompt" in report
+
+
+def test_report_says_the_floor_pass_ran_in_lockstep():
+    """With --lockstep the floor table says each floor run had a plain partner of its own (issue #28)."""
+    result = BenchResult.load(ROOT / "docs" / "floor" / "benchmarks.json")  # a floor pass, 2 runs per prompt
+    assert result.floor_pass and not result.settings.lockstep
+    floor = markdown_report(result).split("**The floor** (pass 4)")[1]
+    assert "interleaved with plain `generate` on the same prompts, 2 runs of each per prompt;" in floor
+    settings = dataclasses.replace(result.settings, lockstep=True)
+    floor = markdown_report(dataclasses.replace(result, settings=settings)).split("**The floor** (pass 4)")[1]
+    assert ("each run in lockstep with a plain `generate` of its own on the same prompt (one target forward of each "
+            "in turn, each timed on its own turns: `--lockstep`), 2 such pairs per prompt, a floor run's rounds "
+            "against its partners' steps;") in floor
+    assert "interleaved with plain" not in floor.split("\n\n")[0]

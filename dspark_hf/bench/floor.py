@@ -1,13 +1,14 @@
 """The floor in ``dspark bench`` (issue #28): what a round that verifies the target's token alone costs against a
 plain decoding step, from the floor rounds of the wall-clock pass (:func:`floor_costs`) and from pass 4, the
-default method with drafting forced off interleaved with plain ``generate`` (:func:`floor_pass`)."""
+default method with drafting forced off interleaved with plain ``generate``, or with ``--lockstep`` each run in
+lockstep with a plain ``generate`` of its own (:func:`floor_pass`)."""
 
 from __future__ import annotations
 
 from ..evaluation.tables import counted
 from .analysis import first_divergence, floor_summary, prompt_floor
 from .loading import _log_default
-from .methods import Method, floor_methods, interleaved_runs
+from .methods import Method, floor_methods, interleaved_runs, lockstep_runs
 from .settings import BenchSettings
 
 
@@ -34,11 +35,15 @@ def floor_pass(target, drafters, methods: list[Method], suites, settings: BenchS
     (:func:`~dspark_hf.bench.methods.floor_methods`: each round is planned, then verifies the target's token alone,
     through the real assisted loop) and plain ``generate``, interleaved on every prompt ``settings.floor_repeats``
     times (order rotated each time), greedy; every token of every run is such a round, so a suite's ratio rests on
-    hundreds of them rather than on the few floor rounds of the wall-clock pass.
+    hundreds of them rather than on the few floor rounds of the wall-clock pass. With ``settings.lockstep`` every
+    floor run is instead paired with a plain run of its own, in lockstep
+    (:func:`~dspark_hf.bench.methods.lockstep_runs`: one target forward of each in turn, each timed on its own
+    turns, so its rounds' and steps' timings are each run's own), and a floor arm is compared with its partners only.
 
     Returns:
         ``(costs, mismatches)``: ``{method: {suite: floor_summary(...)}}`` (:func:`~dspark_hf.bench.analysis.prompt_floor`
-        over each prompt's runs, pooled) and the floor runs whose output differs from plain greedy (logged too).
+        over each prompt's runs against its plain runs, in lockstep the arm's partners, pooled) and the floor runs
+        whose output differs from plain greedy (logged too).
     """
     arms = floor_methods(methods)
     if not arms or settings.floor_repeats == 0:
@@ -47,8 +52,13 @@ def floor_pass(target, drafters, methods: list[Method], suites, settings: BenchS
     for suite, prompts in suites.items():
         per_prompt = {m.name: {} for m in arms}
         for index, (prompt_id, ids) in enumerate(prompts):
-            runs, counter = interleaved_runs(target, ids, [plain, *arms], settings.floor_repeats,
-                                             settings.max_new_tokens, drafters, counter)
+            if settings.lockstep:
+                runs, partners, counter = lockstep_runs(target, ids, [plain, *arms], settings.floor_repeats,
+                                                        settings.max_new_tokens, drafters, counter)
+            else:
+                runs, counter = interleaved_runs(target, ids, [plain, *arms], settings.floor_repeats,
+                                                 settings.max_new_tokens, drafters, counter)
+                partners = {arm.name: runs["plain"] for arm in arms}  # every arm against all plain runs
             for arm in arms:
                 for run in runs[arm.name]:
                     where = first_divergence(run.tokens, runs["plain"][0].tokens)
@@ -58,7 +68,7 @@ def floor_pass(target, drafters, methods: list[Method], suites, settings: BenchS
                                            "plain_tokens": len(runs["plain"][0].tokens)})
                         log(f"MISMATCH {suite}/{prompt_id} {arm.name} with drafting off: differs from plain greedy "
                             f"at new token {where}")
-                floor = per_prompt[arm.name][prompt_id] = prompt_floor(runs["plain"], runs[arm.name])
+                floor = per_prompt[arm.name][prompt_id] = prompt_floor(partners[arm.name], runs[arm.name])
                 log(f"[floor] {suite} {index + 1}/{len(prompts)} {arm.name}: " + (
                     f"round {floor['round_ms']:.1f} ms / plain step {floor['plain_step_ms']:.1f} ms = "
                     f"{floor['ratio']:.3f} ({counted(floor['floor_rounds'], 'round')})" if floor else "no floor rounds"))

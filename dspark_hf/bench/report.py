@@ -190,19 +190,23 @@ def _ratio(value: float | None) -> str:
 
 def _floor_section(result: BenchResult) -> list[str]:
     """The floor tables (issue #28): a round that verifies the target's token alone against a plain step, measured
-    by the floor pass (drafting forced off, hundreds of rounds), then the floor rounds that happened inside the
-    wall-clock runs."""
+    by the floor pass (drafting forced off, hundreds of rounds; each run in lockstep with a plain one under
+    ``--lockstep``), then the floor rounds that happened inside the wall-clock runs."""
     out = []
     parts = ("plain_step_ms", "plain_forward_ms", "plain_loop_ms", "round_ms", "forward_ms", "plan_ms",
              "bookkeeping_ms", "loop_ms")
     columns = ["plain step", "plain forward", "plain loop", "floor round", "forward", "planning", "bookkeeping",
                "assisted loop", "round / step"]
     if result.floor_pass:
+        repeats = result.settings.floor_repeats
+        protocol = ("each run in lockstep with a plain `generate` of its own on the same prompt (one target forward of "
+                    f"each in turn, each timed on its own turns: `--lockstep`), {counted(repeats, 'such pair')} per "
+                    "prompt, a floor run's rounds against its partners' steps" if result.settings.lockstep else
+                    f"interleaved with plain `generate` on the same prompts, {counted(repeats, 'run')} of each per prompt")
         rows = [[f"{method} · {suite}", f.prompts, f.floor_rounds, *(getattr(f, k) for k in parts), _ratio(f.ratio),
                  _ratio(f.worst_ratio), f.worst_prompt] for method, per_suite in result.floor_pass.items() for suite, f in per_suite.items()]
         out += [f"**The floor** (pass 4): the default method with drafting forced off, so that every round verifies "
-                f"only the target's own token (planned as usual, nothing drafted, the drafter not run), interleaved "
-                f"with plain `generate` on the same prompts, {counted(result.settings.floor_repeats, 'run')} of each per prompt; "
+                f"only the target's own token (planned as usual, nothing drafted, the drafter not run), {protocol}; "
                 "medians in ms over each prompt's rounds and steps, then over prompts. A round = the target's forward "
                 "(hidden states captured) + lookup planning + DSpark's bookkeeping (features collected, costs learnt, "
                 "online updates) + transformers' assisted loop (inputs, acceptance, cache crop, stopping); a plain "

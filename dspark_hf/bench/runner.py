@@ -31,7 +31,8 @@ wall-clock ones, 2 and 3, in :mod:`~dspark_hf.bench.wall_clock`; the floor, 4, i
 3. the threshold mode at the best t of that sweep, interleaved with plain again; skipped when the best t
    is 0, which keeps every draft and so is the fixed mode;
 4. the floor (issue #28): each drafter's default method with drafting forced off, interleaved with plain
-   ``generate`` ``--floor-repeats`` times per prompt, so that what a round verifying the target's token alone costs
+   ``generate`` ``--floor-repeats`` times per prompt (with ``--lockstep`` each run in lockstep with a plain
+   ``generate`` of its own, as passes 2 and 3), so that what a round verifying the target's token alone costs
    against a plain step rests on every token of those runs (:func:`~dspark_hf.bench.floor.floor_pass`).
 
 Suites: ``code`` = HumanEval; ``chat`` = held-out ShareGPT (``sharegpt_prompts("test")``, never

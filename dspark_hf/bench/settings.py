@@ -35,10 +35,13 @@ class BenchSettings:
         "help": "passes 2 and 3: run every method but plain in lockstep with a plain generate of the same prompt (one "
                 "target forward of each in turn, each timed on its own turns: dspark_hf.bench.lockstep), --repeats "
                 "such pairs per prompt; a prompt's speedup is the median of its pairs' ratios, so the machine's "
-                "drift from minute to minute hits both sides of each ratio (default: off, methods interleaved)"})
+                "drift from minute to minute hits both sides of each ratio; the floor pass (pass 4) likewise runs "
+                "each floor run in lockstep with a plain generate of its own and compares it with those partners "
+                "(default: off, methods interleaved)"})
     floor_repeats: int = field(default=2, metadata={
         "help": "the floor pass (pass 4, the floor table): each prompt this many times with the default method's drafting forced "
-                "off, interleaved with plain generate (default 2; 0 skips it)"})
+                "off, interleaved with plain generate, or with --lockstep each run in lockstep with a plain generate of its own "
+                "(default 2; 0 skips it)"})
 
     def __post_init__(self):
         for name, value, least in (("gamma", self.gamma, 1), ("max_new_tokens", self.max_new_tokens, 2),
