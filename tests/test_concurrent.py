@@ -914,10 +914,13 @@ def test_a_fixed_lookup_token_is_accepted_with_the_targets_probability(sampling_
 def test_requests_in_flight_together_plan_no_lookup(target, drafter, monkeypatch):
     """R = 2, one prompt twice with the same budget (greedy: the two finish at the same step, never one alone): every
     step is the gate's (ScriptedGate drafts 2 steps of 3), no step proposes lookup tokens, each output is plain greedy
-    ``generate``'s; ``lookup=False`` keeps lookup off for a request alone. The step costs are frozen: costs learnt from
-    this machine's timings could give the two requests different ℓ, and then one of them finishes alone."""
+    ``generate``'s; ``lookup=False`` keeps lookup off for a request alone. The step costs are frozen and every draft
+    carries confidence 0.99: costs learnt from this machine's timings, or a batch schedule that splits one more token
+    between two requests with equal estimates, could give the two requests different ℓ, and then one of them finishes
+    alone."""
     monkeypatch.setattr("dspark_hf.decoding.concurrent.learnt_costs", lambda drafter, curve, settings: (
         FrozenCosts(tiny_sps_curve()), ScriptedGate()))
+    drafted_with_confidence(monkeypatch, drafter, 0.99)
     prompts = [cycle_prompt(torch.Generator().manual_seed(14))[0].tolist()] * 2
     outputs, stats = generate_concurrent(target, drafter, prompts, max_concurrency=2, max_new_tokens=12,
                                          verification="scheduler", eos_token_ids=())
