@@ -253,18 +253,21 @@ def test_a_hybrid_rounds_forced_lookup_tokens_do_not_teach_the_correction():
 
 
 def test_failing_drafts_halve_the_estimates_within_a_few_rounds():
-    """Calibrated c_1 = 0.6, always rejected: after three rounds f = 2 / 3.8 (< 0.55)."""
+    """Calibrated c_1 = 0.6, always rejected, with the default prior (m = 1): f = 1 / 1.6 after one round and
+    1 / 2.2 (< 0.5) after two."""
     correction = OnlineCorrection()
-    for _ in range(3):
+    factors = []
+    for _ in range(2):
         correction.observe([0.6, 0.6, 0.6], 0)
-    assert correction.factor == pytest.approx(2 / 3.8) and correction.factor < 0.55
+        factors.append(correction.factor)
+    assert factors == pytest.approx([1 / 1.6, 1 / 2.2]) and factors[-1] < 0.5
 
 
 def test_the_scheduler_plans_on_the_corrected_confidences():
     """Identity STS (T = 1), c = [0.8, 0.8], SPS = 10 / 8 / 7 steps/s for B = 1 / 2 / 3. Uncorrected: Θ = 10, 14.4,
     17.08, so ℓ = 2. After drafts worth 2 expected acceptances failed (f = 2 / 4): c'' = 0.4, Θ = 10, 11.2, 10.92,
     so ℓ = 1; after 6 (f = 2 / 8): c'' = 0.2, Θ(1) = 9.6 < 10, so ℓ = 0 (the round verifies the target's token)."""
-    sts, correction, sps = SequentialTemperatureScaling([1.0, 1.0]), OnlineCorrection(), [10.0, 8.0, 7.0]
+    sts, correction, sps = SequentialTemperatureScaling([1.0, 1.0]), OnlineCorrection(prior=2.0), [10.0, 8.0, 7.0]
     confidences = torch.tensor([0.8, 0.8])
     lengths = []
     for failures in (0, 2, 4):

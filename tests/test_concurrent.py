@@ -720,24 +720,24 @@ def test_a_request_alone_in_flight_is_planned_as_the_single_request_path_plans(t
     carries confidence 0.1: DSpark's Θ(ℓ = 1) = 1.1 · 1000 / 85 = 12.9 against the target alone's 1000 / 70 = 14.3.
     The first step drafts (no estimate yet; Algorithm 1 verifies none of it), then the target verifies alone and a
     probe drafts once the estimate is older than its price allows: a probe loses 85 / 70 - 1.1 = 0.114 plain steps,
-    so it waits ceil(0.114 / 2 %) = 6 steps (more than the 4 of the interval), then 12 (the interval doubles; the
-    price, 6 after the correction's 0.1 expected, stays below); a probe verifies one draft, and the online
+    so it waits ceil(0.114 / 1 %) = 12 steps (more than the 4 of the interval), then 24 (the interval doubles; the
+    price, 13 after the correction's 0.1 expected, stays below); a probe verifies one draft, and the online
     correction hears from each. The output is plain `generate`'s."""
     curve = tiny_sps_curve([65, 80, *CPU_MS[2:]])  # not the drafter's: a test before may have given it a curve
     costs, gate = FrozenCosts(curve, overhead_ms={1: 5.0}), ScriptedGate()
     monkeypatch.setattr("dspark_hf.decoding.concurrent.learnt_costs", lambda *args: (costs, gate))
     drafted_with_confidence(monkeypatch, drafter, 0.1)
     decoder = ConcurrentDecoder(target, drafter, verification=mode, max_requests=1, sps=curve, lookup=False)
-    request = decoder.add(PROMPTS[2], 30)
+    request = decoder.add(PROMPTS[2], 44)
     with decoder.running():
         while decoder.active:
             decoder.step()
     steps = [s for s in decoder.stats.steps if not s.prefill]
-    assert [s.drafted for s in steps[:21]] == [1] + [0] * 6 + [1] + [0] * 12 + [1]
-    assert [s.lengths for s in steps[:21] if s.drafted] == [[0], [1], [1]]
+    assert [s.drafted for s in steps[:39]] == [1] + [0] * 12 + [1] + [0] * 24 + [1]
+    assert [s.lengths for s in steps[:39] if s.drafted] == [[0], [1], [1]]
     assert gate.calls == 0
     assert request.planner.correction.expected == pytest.approx(0.2)  # two probes reached their one draft
-    assert request.generated == plain(target, PROMPTS[2], max_new=30)
+    assert request.generated == plain(target, PROMPTS[2], max_new=44)
 
 
 @pytest.mark.parametrize("mode", ["scheduler", "async"])
@@ -914,10 +914,13 @@ def test_a_fixed_lookup_token_is_accepted_with_the_targets_probability(sampling_
 def test_requests_in_flight_together_plan_no_lookup(target, drafter, monkeypatch):
     """R = 2, one prompt twice with the same budget (greedy: the two finish at the same step, never one alone): every
     step is the gate's (ScriptedGate drafts 2 steps of 3), no step proposes lookup tokens, each output is plain greedy
-    ``generate``'s; ``lookup=False`` keeps lookup off for a request alone. The step costs are frozen: costs learnt from
-    this machine's timings could give the two requests different ℓ, and then one of them finishes alone."""
+    ``generate``'s; ``lookup=False`` keeps lookup off for a request alone. The step costs are frozen and every draft
+    carries confidence 0.99: costs learnt from this machine's timings, or a batch schedule that splits one more token
+    between two requests with equal estimates, could give the two requests different ℓ, and then one of them finishes
+    alone."""
     monkeypatch.setattr("dspark_hf.decoding.concurrent.learnt_costs", lambda drafter, curve, settings: (
         FrozenCosts(tiny_sps_curve()), ScriptedGate()))
+    drafted_with_confidence(monkeypatch, drafter, 0.99)
     prompts = [cycle_prompt(torch.Generator().manual_seed(14))[0].tolist()] * 2
     outputs, stats = generate_concurrent(target, drafter, prompts, max_concurrency=2, max_new_tokens=12,
                                          verification="scheduler", eos_token_ids=())

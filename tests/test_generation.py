@@ -877,10 +877,10 @@ def test_greedy_identical_through_plain_stretches(target, prompts, references, m
     """An untrained drafter whose pass costs two target steps: long stretches of plain rounds, probes at growing
     intervals, and the output is still plain greedy generate's, every round replayed from earlier rounds (the
     probes' waits included: they read the costs and the correction of earlier rounds only). Such a probe loses
-    (109 + 130) / 65 - 1.5 ≈ 2.2 plain rounds (calibrated c_1 ≈ 0.5), so at the shipped 2 % loss bound it would wait
+    (109 + 130) / 65 - 1.5 ≈ 2.2 plain rounds (calibrated c_1 ≈ 0.5), so at the shipped 1 % loss bound it would wait
     the cap of 64 rounds; the bound is raised to 25 % here (waits of ~9 rounds, then the doubling) so that 48 tokens
     hold several probes."""
-    monkeypatch.setattr("dspark_hf.decoding.batch_costs.LOSS_BOUND", 0.25)
+    monkeypatch.setattr("dspark_hf.decoding.lookup.PROBE_LOSS_BOUND", 0.25)
     config = DSparkConfig.for_target(target, target_layer_ids=[0], num_hidden_layers=1, sequential_rank=8, mask_token_id=0)
     torch.manual_seed(9)
     drafter = DSparkDrafter(config).eval()

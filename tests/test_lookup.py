@@ -7,7 +7,7 @@ import torch
 from conftest import CYCLE, cycle_drafter, cycle_target, tiny_sps_curve
 
 from dspark_hf import SequentialTemperatureScaling
-from dspark_hf.decoding.batch_costs import LOSS_BOUND, MAX_PROBE_INTERVAL
+from dspark_hf.decoding.batch_costs import MAX_PROBE_INTERVAL, PROBE_LOSS_BOUND
 from dspark_hf.decoding.calibration import OnlineCorrection
 from dspark_hf.decoding.lookup import (
     REFRESH_ROUNDS,
@@ -258,19 +258,20 @@ def test_a_proposal_must_beat_the_target_alone_by_the_margin():
 
 @pytest.mark.parametrize(("confidence", "draft_ms", "factor", "wait", "probes"), [
     (0.3, 12.0, 1.0, 4, [5, 9, 17, 33, 65, 65]),  # a probe loses 78 / 60 - 1.3 = 0: the intervals alone
-    (0.15, 12.0, 1.0, 8, [9, 17, 33, 65, 65, 65]),  # loses 1.3 - 1.15 = 0.15 plain rounds: ceil(0.15 / 0.02) = 8
-    (0.3, 12.0, 0.5, 8, [9, 17, 33, 65, 65, 65]),  # the same c_1 = 0.15 after the online correction
-    (0.15, 60.0, 1.0, 48, [49, 65, 65, 65, 65, 65]),  # 126 / 60 - 1.15 = 0.95: ceil(47.5) = 48 rounds
-    (0.15, 120.0, 1.0, 64, [65] * 6),  # 186 / 60 - 1.15 = 1.95: 98 rounds, capped at 64
+    (0.155, 12.0, 1.0, 15, [16, 31, 61, 65, 65, 65]),  # loses 1.3 - 1.155 = 0.145 plain rounds: ceil(14.5) = 15
+    (0.31, 12.0, 0.5, 15, [16, 31, 61, 65, 65, 65]),  # the same c_1 = 0.155 after the online correction
+    (0.155, 30.0, 1.0, 45, [46, 65, 65, 65, 65, 65]),  # 96 / 60 - 1.155 = 0.445: ceil(44.5) = 45 rounds
+    (0.155, 120.0, 1.0, 64, [65] * 6),  # 186 / 60 - 1.155 = 1.945: 195 rounds, capped at 64
 ])
 def test_probes_are_spaced_by_their_price_and_back_off_until_dspark_wins_again(confidence, draft_ms, factor, wait,
                                                                                 probes):
     """A probe is a "target" round turned into a DSpark round (that verifies a draft) once the estimate is older than
     the probe's wait: the interval (REFRESH_ROUNDS at first), or more where the probe's expected loss, ``60 ms alone
-    against 66 ms + draft_ms`` for ``1 + c_1`` tokens, would exceed LOSS_BOUND = 2 % of the plain rounds it waits.
+    against 66 ms + draft_ms`` for ``1 + c_1`` tokens, would exceed PROBE_LOSS_BOUND = 1 % of the plain rounds it
+    waits.
     Each probe doubles the wait (up to MAX_PROBE_INTERVAL), and a round that plans DSpark on its own merits brings
     the interval back to REFRESH_ROUNDS (the price still applies)."""
-    assert (REFRESH_ROUNDS, LOSS_BOUND, MAX_PROBE_INTERVAL) == (4, 0.02, 64)
+    assert (REFRESH_ROUNDS, PROBE_LOSS_BOUND, MAX_PROBE_INTERVAL) == (4, 0.01, 64)
     curve = tiny_sps_curve([60, 66, 80, 90, 100, 110, 120, 130, 140])  # ms per B
     curve.draft_ms = draft_ms
     correction = OnlineCorrection(prior=1.0)
@@ -304,8 +305,8 @@ def test_the_dspark_estimate_carries_the_online_correction():
     correction = OnlineCorrection()
     state = LookupDrafting(SequentialTemperatureScaling(temperatures=[1.0] * 4), tiny_sps_curve(), 4, correction)
     state.observe_block(torch.tensor([0.5, 0.4, 0.3, 0.2]))
-    correction.observe([0.5, 0.4], 0)  # f = 2 / 2.5
-    assert state.dspark_estimate() == pytest.approx([0.4, 0.32, 0.24, 0.16])
+    correction.observe([0.5, 0.4], 0)  # f = 1 / 1.5 (the default prior m = 1; position 1 reached)
+    assert state.dspark_estimate() == pytest.approx([0.5 / 1.5, 0.4 / 1.5, 0.3 / 1.5, 0.2 / 1.5])
     assert state.block_estimate == pytest.approx([0.5, 0.4, 0.3, 0.2])  # kept uncorrected: f is read at plan time
 
 

@@ -29,8 +29,10 @@ ONLINE_WEIGHT = 0.2  # weight of a new observation in the running estimates
 MARGIN = 0.10  # by the model, a drafting step must promise this much more throughput than a plain one
 MEASURED_MARGIN = 0.05  # measured, drafting steps must reach this much more throughput than plain ones (noise)
 CONFIRM_STEPS = 2  # drafting steps in a row a re-measure runs before its measurement can restart drafting
-LOSS_BOUND = 0.02  # re-measures (and a request's probes, RoundPlanner.probe_wait) cost at most this share of the
-# plain steps' time (unless the interval is at its cap)
+LOSS_BOUND = 0.02  # the gate's re-measures cost at most this share of the plain steps' time (unless the interval is
+# at its cap)
+PROBE_LOSS_BOUND = 0.01  # a request's probes (RoundPlanner.probe_wait) cost at most this share of its plain rounds:
+# half the 2 % a prompt the drafter cannot follow may lose in all (issue #28), the rest left to its opening rounds
 MAX_PROBE_INTERVAL = 64  # a request's plain rounds between two probes (RoundPlanner.probe_wait), at most
 MAX_REMEASURE_INTERVAL = 512  # the gate's plain steps between two re-measures at one R, at most (DraftGate)
 
@@ -54,12 +56,13 @@ def _interpolate(table: dict[int, float], key: int, proportional: bool = False) 
     return table[lo] + (table[hi] - table[lo]) * (key - lo) / (hi - lo)
 
 
-def priced_wait(interval: int, loss: float, cap: int = MAX_PROBE_INTERVAL) -> int:
+def priced_wait(interval: int, loss: float, cap: int, bound: float) -> int:
     """Plain steps (or rounds) to wait before a step that drafts only to measure the drafter again (the gate's
     re-measure, a request's probe: :meth:`~dspark_hf.decoding.lookup.RoundPlanner.probe_wait`): ``interval``, or
-    more where that step's ``loss`` (in plain steps, ``>= 0``) would exceed :data:`LOSS_BOUND` of the steps waited,
-    at most ``cap`` (:data:`MAX_PROBE_INTERVAL` for a probe, :data:`MAX_REMEASURE_INTERVAL` for the gate)."""
-    return min(max(interval, math.ceil(loss / LOSS_BOUND)), cap)
+    more where that step's ``loss`` (in plain steps, ``>= 0``) would exceed ``bound`` of the steps waited, at most
+    ``cap`` (a probe: :data:`MAX_PROBE_INTERVAL` and :data:`PROBE_LOSS_BOUND`; the gate: :data:`MAX_REMEASURE_INTERVAL`
+    and :data:`LOSS_BOUND`)."""
+    return min(max(interval, math.ceil(loss / bound)), cap)
 
 
 @dataclass
@@ -215,7 +218,8 @@ class DraftGate:
         self.plain_steps[requests] = self.plain_steps.get(requests, 0) + 1
         wait = self.interval.get(requests, 1)
         if self.plain_steps[requests] >= wait:  # time to re-measure, unless that would cost more than LOSS_BOUND
-            wait = priced_wait(wait, self.remeasure_cost(costs, requests, context, catch_up), MAX_REMEASURE_INTERVAL)
+            cost = self.remeasure_cost(costs, requests, context, catch_up)
+            wait = priced_wait(wait, cost, MAX_REMEASURE_INTERVAL, LOSS_BOUND)
         if self.plain_steps[requests] < wait:
             return False
         self.plain_steps[requests] = 0

@@ -20,11 +20,11 @@ bookkeeping every round, the drafter's pass only in rounds that draft):
   draft (so the online correction hears from the drafter) once the estimate is older than the probe's wait
   (:meth:`RoundPlanner.probe_wait`): ``probe_interval`` rounds (:data:`REFRESH_ROUNDS` at first), or more where a
   probe, priced by the round costs the plan reads, would lose more than
-  :data:`~dspark_hf.decoding.batch_costs.LOSS_BOUND` of the plain rounds it waits (as the concurrent engine spaces its
-  re-measures, :class:`~dspark_hf.decoding.batch_costs.DraftGate`). Each probe doubles the interval (up to
-  :data:`~dspark_hf.decoding.batch_costs.MAX_PROBE_INTERVAL`); a round that plans DSpark or a hybrid on its own merits
-  resets it, so a prompt the drafter cannot follow loses at most ``LOSS_BOUND`` of its plain rounds to probes (more
-  only where a probe costs more than ``LOSS_BOUND · MAX_PROBE_INTERVAL`` plain rounds).
+  :data:`~dspark_hf.decoding.batch_costs.PROBE_LOSS_BOUND` (1 %) of the plain rounds it waits (as the concurrent
+  engine spaces its re-measures, :class:`~dspark_hf.decoding.batch_costs.DraftGate`). Each probe doubles the interval
+  (up to :data:`~dspark_hf.decoding.batch_costs.MAX_PROBE_INTERVAL`); a round that plans DSpark or a hybrid on its own
+  merits resets it, so a prompt the drafter cannot follow loses at most ``PROBE_LOSS_BOUND`` of its plain rounds to
+  probes (more only where a probe costs more than ``PROBE_LOSS_BOUND · MAX_PROBE_INTERVAL`` plain rounds).
 
 Survival estimates (``a_j = Π_{i<=j} c_i``):
 
@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .batch_costs import MAX_PROBE_INTERVAL, priced_wait
+from .batch_costs import MAX_PROBE_INTERVAL, PROBE_LOSS_BOUND, priced_wait
 from .calibration import OnlineCorrection
 from .lookup_acceptance import MAX_NGRAM, LookupAcceptance, LookupPrior
 from .scheduler import expected_throughputs
@@ -285,7 +285,7 @@ class RoundPlanner:
 
     def probe_wait(self, rate: float, probe_rate: float) -> int:
         """Rounds without a drafted block before a ``"target"`` round probes: :attr:`probe_interval`, or more where a
-        probe would lose more than :data:`~dspark_hf.decoding.batch_costs.LOSS_BOUND` of the plain rounds it waits
+        probe would lose more than :data:`~dspark_hf.decoding.batch_costs.PROBE_LOSS_BOUND` of the plain rounds it waits
         (:func:`~dspark_hf.decoding.batch_costs.priced_wait`, the concurrent engine's re-measure rule), at most
         :data:`~dspark_hf.decoding.batch_costs.MAX_PROBE_INTERVAL`.
 
@@ -300,7 +300,7 @@ class RoundPlanner:
         """
         estimate = self.dspark_estimate()
         loss = max(0.0, rate / probe_rate - 1.0 - (estimate[0] if estimate else 0.0))  # plain rounds
-        return priced_wait(self.probe_interval, loss)
+        return priced_wait(self.probe_interval, loss, MAX_PROBE_INTERVAL, PROBE_LOSS_BOUND)
 
     def dspark_estimate(self) -> list[float] | None:
         """The DSpark conditionals the next plan reads: the last block's calibrated ``c'`` with the current online
