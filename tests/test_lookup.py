@@ -268,9 +268,8 @@ def test_probes_are_spaced_by_their_price_and_back_off_until_dspark_wins_again(c
     """A probe is a "target" round turned into a DSpark round (that verifies a draft) once the estimate is older than
     the probe's wait: the interval (REFRESH_ROUNDS at first), or more where the probe's expected loss, ``60 ms alone
     against 66 ms + draft_ms`` for ``1 + c_1`` tokens, would exceed PROBE_LOSS_BOUND = 1 % of the plain rounds it
-    waits.
-    Each probe doubles the wait (up to MAX_PROBE_INTERVAL), and a round that plans DSpark on its own merits brings
-    the interval back to REFRESH_ROUNDS (the price still applies)."""
+    waits. Each probe doubles the wait (up to MAX_PROBE_INTERVAL), and a round that plans DSpark on its own merits
+    brings the interval back to REFRESH_ROUNDS (the price still applies)."""
     assert (REFRESH_ROUNDS, PROBE_LOSS_BOUND, MAX_PROBE_INTERVAL) == (4, 0.01, 64)
     curve = tiny_sps_curve([60, 66, 80, 90, 100, 110, 120, 130, 140])  # ms per B
     curve.draft_ms = draft_ms
