@@ -3,10 +3,10 @@
 The drafter reads the outputs of a few target decoder layers (paper §2.2, eq. 2). transformers returns them for
 ``output_hidden_states=[...]``, but the first such call installs a hook on every decoder layer and every attention
 module of the model, and they stay for the model's lifetime: every later forward runs them, plain ``generate``
-included. On a 30-layer Llama with negligible compute (1 thread, 2-core AMD EPYC, medians of 1,450 interleaved
-1-token forwards), a forward took 13.38 ms with none of those hooks, 13.67 ms with them installed and idle, and
-13.81 ms capturing four layers; :class:`LayerCapture` capturing the same four took 13.46 ms. At SmolLM2-135M's
-~65 ms a step, that is 0.6 % of every DSpark round and 0.4 % of every plain step after the first DSpark call.
+included. On a 30-layer Llama with negligible compute (1 thread, 2-core AMD EPYC, 1,490 interleaved 1-token forwards
+of each, paired medians), a forward took 12.40 ms with none of those hooks, 0.41 ms more with them installed and idle,
+0.49 ms more capturing four layers; :class:`LayerCapture` capturing the same four, 0.09 ms more. At SmolLM2-135M's
+~65 ms a step, that is 0.75 % of every DSpark round and 0.6 % of every plain step after a first DSpark call.
 
 The hooks live for one ``generate`` call (a ``with`` block), record only forwards run in the context that entered
 it (its thread or greenlet: another request may share the model), and keep only the latest forward's outputs. They
