@@ -348,16 +348,16 @@ def test_rollback_logits_equal_a_full_recompute():
     caches = [RequestKV(2), RequestKV(2)]
     with torch.no_grad(), ragged_attention(target):
         ragged_forward(target, torch.tensor([prompts[0] + prompts[1]]), RaggedBatch(caches, [6, 2]),
-                       torch.tensor([7]), [])
+                       torch.tensor([7]))
         anchors = [50, 60]
         segments = [[a] + d for a, d in zip(anchors, drafts)]
         ragged_forward(target, torch.tensor([segments[0] + segments[1]]), RaggedBatch(caches, [5, 5]),
-                       torch.arange(10), [])
+                       torch.arange(10))
         for cache, prompt, n in zip(caches, prompts, accepted):
             cache.truncate(len(prompt) + 1 + n)
         nxt = [[70], [71, 72]]  # a bonus token, and a bonus token with one more draft
-        logits, _ = ragged_forward(target, torch.tensor([nxt[0] + nxt[1]]), RaggedBatch(caches, [1, 2]),
-                                   torch.arange(3), [])
+        logits = ragged_forward(target, torch.tensor([nxt[0] + nxt[1]]), RaggedBatch(caches, [1, 2]),
+                                torch.arange(3))
         rows = [logits[:1], logits[1:]]
         for prompt, anchor, draft, n, new, row in zip(prompts, anchors, drafts, accepted, nxt, rows):
             sequence = torch.tensor([prompt + [anchor] + draft[:n] + new])

@@ -448,9 +448,18 @@ def test_bad_threshold_or_short_calibration_raise_before_compute(target, prompts
     assert not forward_calls, "the target ran before the error"
 
 
-def test_output_hidden_states_with_dict_is_rejected(target, drafters, prompts, forward_calls):
-    _raises_before_compute(forward_calls, "output_hidden_states", lambda: generate(
-        target, prompts[1], drafters["markov"], "fixed", 4, output_hidden_states=True, return_dict_in_generate=True))
+def test_output_hidden_states_are_plain_generates(target, drafters, prompts):
+    """``output_hidden_states=True`` with a dict output: DSpark returns, for every new token, the hidden states plain
+    ``generate`` returns (the drafter's features come from its own capture, not from this setting)."""
+    kwargs = dict(output_hidden_states=True, return_dict_in_generate=True)
+    plain = target.generate(prompts[1], max_new_tokens=MAX_NEW, do_sample=False, **kwargs)
+    out = generate(target, prompts[1], drafters["markov"], "fixed", 4, **kwargs)
+    assert torch.equal(out.sequences, plain.sequences) and len(out.hidden_states) == len(plain.hidden_states)
+    assert max(r.accepted for r in drafters["markov"].last_stats.rounds) >= 2  # rounds that split a verified block
+    for step, reference in zip(out.hidden_states, plain.hidden_states):
+        assert len(step) == len(reference)
+        for layer, expected in zip(step, reference):
+            torch.testing.assert_close(layer, expected, rtol=0, atol=1e-5)
 
 
 # --------------------------------------------------------------------------- stock assistants

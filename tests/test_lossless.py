@@ -371,12 +371,14 @@ def test_routing_binds_transformers_arguments_by_name(target, drafter, prompts):
     from transformers import GenerationConfig, LogitsProcessorList
 
     from dspark_hf import DSparkCandidateGenerator
+    from dspark_hf.runtime.capture import LayerCapture
 
     config = GenerationConfig(max_length=20, do_sample=False, dspark_verification="fixed")
     kwargs = dict(generation_config=config, input_ids=prompts[1], inputs_tensor=prompts[1],
                   logits_processor=LogitsProcessorList(), model_kwargs={}, assistant_model=drafter)
-    by_name = target._get_candidate_generator(**dict(reversed(list(kwargs.items()))))
-    positional = target._get_candidate_generator(*list(kwargs.values())[:5], assistant_model=drafter)
+    with LayerCapture(target, drafter.config.target_layer_ids):  # what generate's assisted loop runs inside
+        by_name = target._get_candidate_generator(**dict(reversed(list(kwargs.items()))))
+        positional = target._get_candidate_generator(*list(kwargs.values())[:5], assistant_model=drafter)
     assert type(by_name) is type(positional) is DSparkCandidateGenerator and by_name.block_size == 4
 
 

@@ -18,6 +18,7 @@ from dspark_hf.decoding import candidate_generator, routing
 from dspark_hf.decoding.candidate_generator import DSparkCandidateGenerator
 from dspark_hf.modeling.state import BoundTarget
 from dspark_hf.runtime import profiling
+from dspark_hf.runtime.capture import LayerCapture
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -173,8 +174,11 @@ def test_the_candidate_generator_never_measures(target, drafter, monkeypatch):
     settings = candidate_generator.prepare_call(target, drafter, config)
     assert settings.needs_sps and calls == [{"max_tokens": drafter.config.block_size + 1}]
     assert drafter.sps_curve is not None
-    DSparkCandidateGenerator(target, drafter, config, LogitsProcessorList(), ids)  # now it has its curve
+    with LayerCapture(target, drafter.config.target_layer_ids):  # as generate runs it
+        DSparkCandidateGenerator(target, drafter, config, LogitsProcessorList(), ids)  # now it has its curve
     assert len(calls) == 1
+    with pytest.raises(RuntimeError, match="assistant_model=drafter"):  # outside generate: no capture to read
+        DSparkCandidateGenerator(target, drafter, config, LogitsProcessorList(), ids)
 
 
 def test_generate_resolves_the_curve_once_and_a_set_curve_is_used(target, drafter, monkeypatch):

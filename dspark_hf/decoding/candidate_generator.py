@@ -37,6 +37,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..modeling.limits import MAX_BLOCK_SIZE, VERIFICATION_MODES
 from ..modeling.modeling_dspark import DSparkDrafter
+from ..runtime.capture import LayerCapture
 from ..runtime.kernels import is_prepacked, prepack_linears
 from ..runtime.profiling import ensure_sps_curve
 from .calibration import CorrectedCalibration, OnlineCorrection
@@ -172,8 +173,8 @@ class _Proposal:
 class DSparkCandidateGenerator(CandidateGenerator):
     """Drafts one DSpark block per round and returns its scheduled prefix (paper Fig. 1).
 
-    Each round it appends the target's hidden states of the newly accepted positions to the drafter's
-    context cache, drafts γ tokens from the anchor (the last token of ``input_ids``), picks a prefix
+    Each round it appends the target's hidden states of the newly accepted positions (recorded by the call's
+    :class:`~dspark_hf.runtime.capture.LayerCapture`) to the drafter's context cache, drafts γ tokens from the anchor (the last token of ``input_ids``), picks a prefix
     length ℓ by the verification mode and returns ``input_ids + drafts[:ℓ]``. With sampling the drafts
     are drawn from the returned (processed) logits, so transformers' speculative sampling is exact;
     with greedy decoding no logits are returned and the target's argmax decides. With ``dspark_lookup=True`` a
@@ -187,10 +188,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
         ValueError: batch size > 1 (``generate`` sends batches to :mod:`dspark_hf.decoding.concurrent`), and as
             :func:`call_settings`.
         RuntimeError: the call needs an SPS curve and the drafter has none covering γ (:func:`prepare_call` gives
-            it one; ``generate`` runs it).
+            it one; ``generate`` runs it); no capture of the target's layers is active (``generate`` opens one,
+            :func:`~dspark_hf.decoding.routing._assisted_decoding`).
     """
 
-    requires_model_outputs = True
+    requires_model_outputs = True  # for is_first_iteration; the features themselves come from the capture
 
     def __init__(self, target, drafter: DSparkDrafter, generation_config, logits_processor, input_ids):
         if input_ids.shape[0] != 1:
@@ -218,7 +220,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
         self.max_length = generation_config.max_length
-        self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in drafter.config.target_layer_ids]}
+        # the target features come from the call's LayerCapture (routing opens it), not output_hidden_states
+        self.capture = LayerCapture.current(target)
+        self.model_kwargs_overrides = {}
         self.context = drafter.new_context()
         self._pending: list[torch.Tensor] = []  # target features not yet in the context (added before a draft)
         self._known = 0  # positions in the context or pending
@@ -243,7 +247,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         # 1. bookkeeping: the last round's costs, the target features it accepted
         entry = time.perf_counter()
         self._learn_round_costs(entry)
-        self._collect_features(input_ids, model_outputs)
+        self._collect_features(input_ids)
         gamma = min(self.block_size, self.max_length - input_ids.shape[1] - 1)
         self._verify_context = input_ids.shape[1] - 1  # the scheduler reads the SPS row of this context
         start = time.perf_counter()
@@ -312,15 +316,12 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.stats.rounds.append(round_stats)
         self._verify_start = time.perf_counter()
 
-    def _collect_features(self, input_ids, model_outputs):
+    def _collect_features(self, input_ids):
         """Keep the target features ``[1, n_new, m·d]`` of the newly accepted positions (up to ``L-2``) for the
         drafter's context; they are encoded into it only when a round drafts (:meth:`_catch_up_context`), so rounds
         that do not run the drafter (lookup, the target alone) skip the context projection."""
         n_new = input_ids.shape[1] - 1 - self._known
-        if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
-            raise RuntimeError("DSpark needs the target's hidden states; the target did not return them.")
-        states = model_outputs.hidden_states
-        self._pending.append(torch.cat([states[i + 1][:, :n_new] for i in self.drafter.config.target_layer_ids], -1))
+        self._pending.append(self.capture.features(n_new))
         self._known += n_new
 
     def _catch_up_context(self) -> int:

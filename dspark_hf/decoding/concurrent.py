@@ -26,6 +26,7 @@ request, at its own positions); sampled output is exact in law per request.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -33,6 +34,7 @@ import torch
 
 from ..modeling.modeling_dspark import DSparkDrafter
 from ..modeling.outputs import DraftBlock
+from ..runtime.capture import LayerCapture
 from ..runtime.kernels import is_prepacked, prepack_linears
 from ..runtime.profiling import ensure_sps_curve
 from ..runtime.ragged import RaggedBatch, ragged_attention, ragged_forward
@@ -117,7 +119,7 @@ class ConcurrentDecoder:
         self.stats = BatchStats()
         text = target.config.get_text_config(decoder=True)
         self.num_layers = text.num_hidden_layers
-        self.hidden_layers = [i + 1 for i in cfg.target_layer_ids] if cfg else []
+        self.capture: LayerCapture | None = None  # the drafter's context layers of the target, while running()
 
     def _check_mode(self):
         need = unmet_need(self.drafter, self.mode, self.block_size)
@@ -164,16 +166,25 @@ class ConcurrentDecoder:
     def active(self) -> list[Request]:
         return [r for r in self.requests if not r.done]
 
+    @contextlib.contextmanager
     def running(self):
         """Context manager: the target runs ragged attention inside it
-        (:func:`~dspark_hf.runtime.ragged.ragged_attention`); call :meth:`step` within it. The scheduled modes' SPS
-        curve is loaded (or profiled) first, with the target's own attention."""
+        (:func:`~dspark_hf.runtime.ragged.ragged_attention`) and, with a drafter, its context layers are recorded
+        (:class:`~dspark_hf.runtime.capture.LayerCapture`); call :meth:`step` within it, in the same thread. The
+        scheduled modes' SPS curve is loaded (or profiled) first, with the target's own attention."""
         if self.drafter is not None and POLICIES[self.mode].needs_calibration and self.costs is None:
             needed = max(min(self.max_requests * (self.block_size + 1), MAX_PROFILED_TOKENS), self.max_requests)
             if self.sps is None or self.sps.max_tokens < needed:  # a curve passed in wins when it covers the batch
                 self.sps = ensure_sps_curve(self.target, self.drafter, needed)
             self.costs, self.gate = learnt_costs(self.drafter, self.sps, (self.block_size, self.mode, self.do_sample))
-        return ragged_attention(self.target)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(ragged_attention(self.target))
+            if self.drafter is not None:
+                self.capture = stack.enter_context(LayerCapture(self.target, self.drafter.config.target_layer_ids))
+            try:
+                yield self
+            finally:
+                self.capture = None
 
     # ---------------------------------------------------------------------------------------------- step
     @torch.no_grad()
@@ -339,10 +350,9 @@ class ConcurrentDecoder:
         ids = torch.tensor([[t for s in segments for t in s]], device=device)
         batch = RaggedBatch([r.kv for r in requests], [len(s) for s in segments])
         start = time.perf_counter()
-        logits, hidden = ragged_forward(self.target, ids, batch, keep.to(device), self.hidden_layers)
+        logits = ragged_forward(self.target, ids, batch, keep.to(device))
         self._last_forward_ms = 1e3 * (time.perf_counter() - start)
-        features = torch.cat([hidden[i] for i in self.hidden_layers], -1) if self.drafter is not None else None
-        return logits, features
+        return logits, (self.capture.features() if self.drafter is not None else None)
 
     def _process(self, request: Request, ids: list[int], logits: torch.Tensor, start: int | None = None):
         """Apply the request's logits processors to ``logits [m, V]``; row ``i`` follows ``ids[:start + i]``."""

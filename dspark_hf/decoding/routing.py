@@ -43,6 +43,7 @@ from transformers.generation.utils import GenerationMixin
 
 from ..modeling.configuration_dspark import DSparkConfig
 from ..modeling.modeling_dspark import DSparkDrafter
+from ..runtime.capture import LayerCapture
 from .batch_generate import generate_batch
 from .calibration import SequentialTemperatureScaling
 from .candidate_generator import DSparkCandidateGenerator, prepare_call
@@ -203,7 +204,8 @@ def restart_prefilled_cache(model_kwargs: dict, input_ids) -> None:
 
 def _assisted_decoding(self, *args, **kwargs):
     """transformers' assisted loop; a DSpark drafter's call is prepared first (:func:`prepare_call`) and its
-    statistics attached to a dict output (``output.dspark_stats``). A batch of several rows runs in
+    statistics attached to a dict output (``output.dspark_stats``); the drafter's context layers of the target are
+    recorded for the call (:class:`~dspark_hf.runtime.capture.LayerCapture`). A batch of several rows runs in
     :func:`generate_batch`. With criteria beyond max length / EOS / max time, the criteria see every token
     (:class:`PerTokenStopping`) and the output is cut at the first stop."""
     call = _SIGNATURES["_assisted_decoding"].bind(self, *args, **kwargs)
@@ -218,13 +220,15 @@ def _assisted_decoding(self, *args, **kwargs):
     restart_prefilled_cache(arguments.get("model_kwargs", {}), input_ids)
     prepare_call(self, drafter, config)
     if all(isinstance(c, ROUND_EXACT_CRITERIA) for c in criteria):
-        return _with_stats(_STOCK["_assisted_decoding"](*call.args, **call.kwargs), drafter)
+        with LayerCapture(self, drafter.config.target_layer_ids):
+            return _with_stats(_STOCK["_assisted_decoding"](*call.args, **call.kwargs), drafter)
     stopping = PerTokenStopping(criteria, input_ids.shape[1])
     arguments["stopping_criteria"] = stopping
     if arguments.get("streamer") is not None:
         scores_recorded = bool(config.return_dict_in_generate and config.output_scores)
         arguments["streamer"] = _StoppingStreamer(arguments["streamer"], stopping, input_ids, not scores_recorded)
-    result = _STOCK["_assisted_decoding"](*call.args, **call.kwargs)
+    with LayerCapture(self, drafter.config.target_layer_ids):
+        result = _STOCK["_assisted_decoding"](*call.args, **call.kwargs)
     return _with_stats(_cut_at_stop(result, stopping.stop_length, input_ids.shape[1], drafter.last_stats), drafter)
 
 

@@ -135,11 +135,6 @@ def _validate_decoding_mode(generation_mode: GenerationMode, num_return_sequence
 def _validate_dspark_call(generation_mode, generation_config):
     """Reject what DSpark decoding cannot do, before any compute, naming the fix."""
     _validate_decoding_mode(generation_mode, generation_config.num_return_sequences)
-    if generation_config.output_hidden_states and generation_config.return_dict_in_generate:
-        raise ValueError(
-            "output_hidden_states=True is not supported with a DSpark drafter (the drafter requests only its "
-            "context layers); drop output_hidden_states or run the target separately."
-        )
     if generation_config.speculation_type is not None:
         raise ValueError("speculation_type must be unset when the assistant is a DSparkDrafter.")
     problems = _unsupported_assistant_options(generation_config)

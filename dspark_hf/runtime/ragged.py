@@ -155,22 +155,21 @@ def ragged_attention(target: torch.nn.Module):
             target.set_attn_implementation(before)
 
 
-def ragged_forward(target: torch.nn.Module, input_ids: torch.Tensor, batch: RaggedBatch, keep: torch.Tensor,
-                   hidden_layers: list[int]):
-    """One target forward over a :class:`RaggedBatch` (inside :func:`ragged_attention`).
+def ragged_forward(target: torch.nn.Module, input_ids: torch.Tensor, batch: RaggedBatch,
+                   keep: torch.Tensor) -> torch.Tensor:
+    """One target forward over a :class:`RaggedBatch` (inside :func:`ragged_attention`); a
+    :class:`~dspark_hf.runtime.capture.LayerCapture` entered around it records the layers a drafter reads.
 
     Args:
         input_ids: ``[1, B]`` the segments' tokens side by side.
         batch: the layout; each request's cache grows by its segment (``length += m_r``).
         keep: ``[K]`` row indices whose logits are returned (``logits_to_keep``).
-        hidden_layers: ``hidden_states`` indices to return (transformers' list form of ``output_hidden_states``).
 
     Returns:
-        ``(logits [K, V] float32, hidden_states)``: ``hidden_states[i]`` is ``[1, B, d]`` for ``i`` in
-        ``hidden_layers`` (others ``None``).
+        ``[K, V]`` float32 logits.
     """
     out = target(input_ids=input_ids, position_ids=batch.position_ids(input_ids.device), use_cache=False,
-                 logits_to_keep=keep, output_hidden_states=hidden_layers or False, ragged=batch)
+                 logits_to_keep=keep, ragged=batch)
     for cache, m in zip(batch.caches, batch.new_tokens):
         cache.length += m
-    return out.logits[0].float(), out.hidden_states
+    return out.logits[0].float()
