@@ -174,8 +174,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
     """Drafts one DSpark block per round and returns its scheduled prefix (paper Fig. 1).
 
     Each round it appends the target's hidden states of the newly accepted positions (recorded by the call's
-    :class:`~dspark_hf.runtime.capture.LayerCapture`) to the drafter's context cache, drafts γ tokens from the anchor (the last token of ``input_ids``), picks a prefix
-    length ℓ by the verification mode and returns ``input_ids + drafts[:ℓ]``. With sampling the drafts
+    :class:`~dspark_hf.runtime.capture.LayerCapture`) to the drafter's context cache, drafts γ tokens from the
+    anchor (the last token of ``input_ids``), picks a prefix length ℓ by the verification mode and returns
+    ``input_ids + drafts[:ℓ]``. With sampling the drafts
     are drawn from the returned (processed) logits, so transformers' speculative sampling is exact;
     with greedy decoding no logits are returned and the target's argmax decides. With ``dspark_lookup=True`` a
     :class:`~dspark_hf.decoding.lookup.LookupDrafting` plans each round first: a prompt-lookup continuation (no drafter
