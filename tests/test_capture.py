@@ -4,7 +4,7 @@ import threading
 
 import pytest
 import torch
-from conftest import scheduled_cycle_drafter, tiny_llama
+from conftest import cycle_target, scheduled_cycle_drafter, tiny_llama
 
 from dspark_hf.runtime.capture import LayerCapture
 
@@ -54,8 +54,6 @@ def test_only_the_entering_context_is_recorded_and_the_hooks_go_on_exit():
 def test_dspark_generate_leaves_no_hooks_on_the_target_and_matches_plain_generate():
     """A DSpark call reads its features through a LayerCapture, so transformers' own output-capturing hooks are never
     installed on the target (they would run in every later forward) and none of ours stay; greedy output unchanged."""
-    from conftest import cycle_target
-
     target = cycle_target(num_hidden_layers=2, alpha=0.026)
     drafter = scheduled_cycle_drafter(target)
     ids = torch.tensor([[3, 1, 4, 1, 5]])

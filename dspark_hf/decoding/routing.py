@@ -219,17 +219,17 @@ def _assisted_decoding(self, *args, **kwargs):
                               arguments.get("model_kwargs", {}), arguments.get("streamer"))
     restart_prefilled_cache(arguments.get("model_kwargs", {}), input_ids)
     prepare_call(self, drafter, config)
-    if all(isinstance(c, ROUND_EXACT_CRITERIA) for c in criteria):
-        with LayerCapture(self, drafter.config.target_layer_ids):
-            return _with_stats(_STOCK["_assisted_decoding"](*call.args, **call.kwargs), drafter)
-    stopping = PerTokenStopping(criteria, input_ids.shape[1])
-    arguments["stopping_criteria"] = stopping
-    if arguments.get("streamer") is not None:
-        scores_recorded = bool(config.return_dict_in_generate and config.output_scores)
-        arguments["streamer"] = _StoppingStreamer(arguments["streamer"], stopping, input_ids, not scores_recorded)
+    stopping = None
+    if not all(isinstance(c, ROUND_EXACT_CRITERIA) for c in criteria):
+        stopping = arguments["stopping_criteria"] = PerTokenStopping(criteria, input_ids.shape[1])
+        if arguments.get("streamer") is not None:
+            scores_recorded = bool(config.return_dict_in_generate and config.output_scores)
+            arguments["streamer"] = _StoppingStreamer(arguments["streamer"], stopping, input_ids, not scores_recorded)
     with LayerCapture(self, drafter.config.target_layer_ids):
         result = _STOCK["_assisted_decoding"](*call.args, **call.kwargs)
-    return _with_stats(_cut_at_stop(result, stopping.stop_length, input_ids.shape[1], drafter.last_stats), drafter)
+    if stopping is not None:
+        result = _cut_at_stop(result, stopping.stop_length, input_ids.shape[1], drafter.last_stats)
+    return _with_stats(result, drafter)
 
 
 def _with_stats(result, drafter: DSparkDrafter):

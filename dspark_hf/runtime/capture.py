@@ -10,8 +10,9 @@ of each, paired medians), a forward took 12.40 ms with none of those hooks, 0.41
 
 The hooks live for one ``generate`` call (a ``with`` block), record only forwards run in the context that entered
 it (its thread or greenlet: another request may share the model), and keep only the latest forward's outputs. They
-record what ``hidden_states[i + 1]`` holds (the feature of layer ``i``, :func:`~dspark_hf.modeling.configuration_dspark.spread_layer_ids`):
-layer ``i``'s output, and for the last layer the final norm's (transformers ties its last hidden state to it).
+record what ``hidden_states[i + 1]`` holds, the feature of layer ``i``
+(:func:`~dspark_hf.modeling.configuration_dspark.spread_layer_ids`): layer ``i``'s output, and for the last layer the
+final norm's (transformers ties its last hidden state to it).
 """
 
 from __future__ import annotations
