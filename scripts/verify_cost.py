@@ -15,6 +15,7 @@ random tokens, then lengthened by repeating its keys/values (timings do not depe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from dspark_hf import DSparkDrafter
 from dspark_hf.defaults import default_drafter
+from dspark_hf.runtime.capture import LayerCapture
 from dspark_hf.runtime.kernels import prepack_linears
 from dspark_hf.runtime.kv_cache import generation_cache
 from dspark_hf.runtime.profiling import grow_cache, time_verify_step
@@ -93,16 +95,14 @@ def prefill_vs_extension_ms(model, drafter, prompt_len: int, repeats: int) -> tu
     DSpark's first forward does) and of the drafter's context extension over the same positions (issue 23, item 4:
     the first round that drafts appends every prompt position at once)."""
     prompt = torch.randint(1000, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
-    layers = [i + 1 for i in drafter.config.target_layer_ids]
     prefill, extension = [], []
     for r in range(repeats + 1):
-        start = time.perf_counter()
-        out = model(input_ids=prompt, cache=generation_cache(model), use_cache=True, output_hidden_states=layers,
-                    logits_to_keep=1)
-        middle = time.perf_counter()
-        features = torch.cat([out.hidden_states[i] for i in layers], dim=-1)  # (1, L, m·d)
-        drafter.extend_context(drafter.new_context(), features)
-        end = time.perf_counter()
+        with LayerCapture(model, drafter.config.target_layer_ids) as capture:
+            start = time.perf_counter()
+            model(input_ids=prompt, cache=generation_cache(model), use_cache=True, logits_to_keep=1)
+            middle = time.perf_counter()
+            drafter.extend_context(drafter.new_context(), capture.features())  # features (1, L, m·d)
+            end = time.perf_counter()
         if r:  # the first round is the warm-up
             prefill.append(middle - start)
             extension.append(end - middle)
@@ -110,18 +110,19 @@ def prefill_vs_extension_ms(model, drafter, prompt_len: int, repeats: int) -> tu
 
 
 @torch.inference_mode()
-def capture_cost_ms(model, layers: list[int], ctx: int, repeats: int) -> tuple[float, float]:
+def capture_cost_ms(model, layer_ids: list[int], ctx: int, repeats: int) -> tuple[float, float]:
     """Median ms of a 1-token forward over ``ctx`` cached positions without and with the drafter's feature layers
-    captured (``output_hidden_states=layers``, what a DSpark round asks of the target), interleaved (issue 28)."""
+    ``layer_ids`` recorded (:class:`~dspark_hf.runtime.capture.LayerCapture`, what a DSpark call opens around its
+    rounds), interleaved (issue 28)."""
     cache = filled_cache(model, ctx)
     token = torch.tensor([[42]])
     times = {False: [], True: []}
     for r in range(repeats + 1):
         for capture in (False, True):
-            start = time.perf_counter()
-            model(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1,
-                  **({"output_hidden_states": layers} if capture else {}))
-            elapsed = time.perf_counter() - start
+            with LayerCapture(model, layer_ids) if capture else contextlib.nullcontext():
+                start = time.perf_counter()
+                model(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1)
+                elapsed = time.perf_counter() - start
             cache.crop(-1)
             if r:  # the first round is the warm-up
                 times[capture].append(elapsed)
@@ -242,12 +243,12 @@ def main():
     for prompt_len in args.prefill_prompts:
         prefill, extension = prefill_vs_extension_ms(models["new"], drafter, prompt_len, args.prefill_repeats)
         lines.append(f"| {prompt_len} | {prefill:.0f} | {extension:.0f} | {extension / prefill:.3f} |")
-    layers = [i + 1 for i in drafter.config.target_layer_ids]
+    layer_ids = drafter.config.target_layer_ids
     lines += ["", f"A 1-token forward (`new` kernels, median of {4 * args.repeats}, interleaved) without / with the "
-              f"drafter's {len(layers)} feature layers captured (`output_hidden_states={layers}`, as every DSpark "
-              "round asks):", "", "| ctx | plain ms | captured ms | ratio |", "|---|---|---|---|"]
+              f"drafter's {len(layer_ids)} feature layers {layer_ids} recorded (`LayerCapture`, as a DSpark call "
+              "records them):", "", "| ctx | plain ms | captured ms | ratio |", "|---|---|---|---|"]
     for ctx in args.decode_prompts:
-        plain, captured = capture_cost_ms(models["new"], layers, ctx, 4 * args.repeats)
+        plain, captured = capture_cost_ms(models["new"], layer_ids, ctx, 4 * args.repeats)
         lines.append(f"| {ctx} | {plain:.1f} | {captured:.1f} | {captured / plain:.3f} |")
     text = "\n".join(lines) + "\n"
     print(text)
