@@ -97,7 +97,7 @@ def test_another_thread_count_or_machine_measures_its_own_choice(other, hf_home,
         monkeypatch.setenv("HF_HOME", str(tmp_path / "elsewhere"))
     else:
         machine = here()
-        changed = {"isa": "AVX2", "cpu": machine.cpu + " v2", "cores": (machine.cores or 1) + 1,
+        changed = {"isa": "AVX512" if machine.isa == "AVX2" else "AVX2", "cpu": machine.cpu + " v2", "cores": (machine.cores or 1) + 1,
                    "torch": machine.torch + ".post1"}[other]
         monkeypatch.setattr(tuning, "describe_machine", lambda: dataclasses.replace(here(), **{other: changed}))
     timed = len(clock.calls)
