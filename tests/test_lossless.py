@@ -388,23 +388,25 @@ def test_missing_transformers_signature_names_the_supported_range(monkeypatch):
     from dspark_hf.decoding import routing as generation
 
     monkeypatch.setattr(GenerationMixin, "_assisted_decoding", lambda self, input_ids, **model_kwargs: None)
-    with pytest.raises(ImportError, match=r"_assisted_decoding.*stopping_criteria.*transformers>=5\.24,<5\.25"):
+    with pytest.raises(ImportError, match=r"_assisted_decoding.*stopping_criteria.*transformers>=5\.24,<5\.26"):
         generation._stock_signatures()
 
 
 def test_transformers_outside_the_supported_range_is_refused_naming_it(monkeypatch):
-    """transformers 5.25 changed the assisted loop (it reads ``num_drafting_tokens`` from the candidate generator):
-    a version outside the window fails at import with the range to install, not in the first DSpark call."""
+    """The routing replaces private methods of transformers' assisted loop, which changes between minor releases
+    (5.25 reads ``num_drafting_tokens`` from the candidate generator): a version outside the tested window fails at
+    import with the range to install, not in the first DSpark call."""
     import transformers
 
     from dspark_hf.decoding import routing as generation
 
-    for version in ("5.25.0", "5.23.1", "6.0.0"):
+    for version in ("5.26.0", "5.23.1", "6.0.0"):
         monkeypatch.setattr(transformers, "__version__", version)
-        with pytest.raises(ImportError, match=rf"this is {version}: install 'transformers>=5\.24,<5\.25'"):
+        with pytest.raises(ImportError, match=rf"this is {version}: install 'transformers>=5\.24,<5\.26'"):
             generation._stock_signatures()
-    monkeypatch.setattr(transformers, "__version__", "5.24.0")
-    assert set(generation._stock_signatures()) == set(generation._REQUIRED_PARAMETERS)
+    for version in ("5.24.0", "5.25.0"):
+        monkeypatch.setattr(transformers, "__version__", version)
+        assert set(generation._stock_signatures()) == set(generation._REQUIRED_PARAMETERS)
 
 
 def test_supported_range_is_the_declared_dependency():

@@ -236,6 +236,13 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._round_start = None  # when the last round's get_candidates began (its costs are learnt at the next)
         self._pass_seconds = None  # the last round's drafter pass (None: it did not draft)
 
+    @property
+    def num_drafting_tokens(self) -> int:
+        """Most tokens a round proposes after the anchor: γ, or a longer prompt-lookup continuation. transformers'
+        assisted loop (5.25 on) records this many recurrent states so that a cache of linear-attention layers can be
+        cropped back over a rejected proposal (``cache.activate_past_recording``); attention caches ignore it."""
+        return max(self.block_size, self.lookup.max_tokens if self.lookup is not None else 0)
+
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, **kwargs):
         """See :class:`~transformers.generation.CandidateGenerator`; the first call lets the target prefill.
 

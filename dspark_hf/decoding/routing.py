@@ -23,12 +23,12 @@ was imported, the ``trust_remote_code`` copy included), and by the ``dspark`` co
   strings and custom criteria see every token (:mod:`dspark_hf.decoding.stopping`). The call's statistics are
   ``output.dspark_stats`` with ``return_dict_in_generate=True`` (and ``drafter.last_stats`` in the calling thread).
 
-Version window: transformers ``>=5.24,<5.25`` (:data:`SUPPORTED_TRANSFORMERS`), checked when this module is imported.
-5.25's assisted loop asks the candidate generator for ``num_drafting_tokens`` and records the cache's past states
-(``activate_past_recording``) before the first round, which this routing does not provide yet, so every DSpark call
-failed there. The replacements bind the stock methods' arguments BY NAME; the parameters they read are checked at
-import too (:data:`_REQUIRED_PARAMETERS`), and a transformers without them fails with an error that names the
-supported range.
+Version window: transformers ``>=5.24,<5.26`` (:data:`SUPPORTED_TRANSFORMERS`), checked when this module is imported:
+the assisted loop's private methods change between minor releases (5.25 reads the candidate generator's
+``num_drafting_tokens``, which :class:`~dspark_hf.decoding.candidate_generator.DSparkCandidateGenerator` gives, and
+records the cache's past states before the first round, which attention caches ignore). The replacements bind the
+stock methods' arguments BY NAME; the parameters they read are checked at import too (:data:`_REQUIRED_PARAMETERS`),
+and a transformers without them fails with an error that names the supported range.
 Exit condition: when transformers accepts a candidate generator (or a factory) through a public ``generate``
 argument, this module reduces to passing it, and the replacing goes.
 """
@@ -61,7 +61,7 @@ from .settings import (
 from .stats import stand_in
 from .stopping import ROUND_EXACT_CRITERIA, PerTokenStopping, _cut_at_stop, _StoppingStreamer
 
-SUPPORTED_TRANSFORMERS = ">=5.24,<5.25"
+SUPPORTED_TRANSFORMERS = ">=5.24,<5.26"
 # the parameters of transformers' private methods that the routing reads or replaces, by name
 _REQUIRED_PARAMETERS = {
     "_get_candidate_generator": ("generation_config", "input_ids", "logits_processor", "assistant_model"),

@@ -21,6 +21,7 @@ import json
 import warnings
 from pathlib import Path
 
+from ..decoding.routing import SUPPORTED_TRANSFORMERS
 from ..evaluation.bench_result import BenchResult
 from ..modeling.modeling_dspark import CALIBRATION_FILE
 from .sections import (
@@ -143,7 +144,7 @@ def write_custom_generate(model_dir: str | Path, repo_id: str | None = None) -> 
     if n != 1:
         raise RuntimeError(f"{GENERATE_TEMPLATE} must define DRAFTER_REPO exactly once (found {n}).")
     (out / "generate.py").write_text(code)
-    (out / "requirements.txt").write_text(f"dspark-hf>={__version__}\ntransformers>=5.24,<5.25\n")
+    (out / "requirements.txt").write_text(f"dspark-hf>={__version__}\ntransformers{SUPPORTED_TRANSFORMERS}\n")
     return out
 
 
