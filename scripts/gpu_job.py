@@ -111,8 +111,11 @@ def assemble(manifest: dict) -> dict:
 
 
 def phase_env() -> dict:
+    """The phases' environment: the staged packages first, offline. ``USE_HUB_KERNELS=NO``: transformers >= 5.25
+    kernelizes every model it loads from Hub kernels by default and refuses to load one without the ``kernels``
+    package, which the device lacks (and it could fetch no kernel offline)."""
     return {**os.environ, "PYTHONPATH": f"{STAGE / 'site'}{os.pathsep}{ROOT}", "HF_HOME": str(STAGE / "hf"),
-            "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1", "USE_HUB_KERNELS": "NO", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
             "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "CUDA_VISIBLE_DEVICES": "" if DEVICE == "cpu" else
             os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
 

@@ -68,3 +68,21 @@ def test_phase_limits_fit_one_device_command(job):
     fixed = sum(limit for _, limit in job.PHASES if limit is not None)
     assert [name for name, limit in job.PHASES if limit is None] == ["train"]
     assert fixed + job.PACK_RESERVE + 60 <= job.JOB_SECONDS <= 540
+
+
+def test_phases_load_models_without_the_kernels_package(job, tmp_path, monkeypatch):
+    """The device has no ``kernels`` package: transformers >= 5.25 refuses to load a model without it unless Hub
+    kernels are switched off, as the phases' environment does."""
+    import transformers
+    from conftest import tiny_llama
+    from packaging.version import Version
+    from transformers import LlamaForCausalLM, modeling_utils
+
+    tiny_llama(64, 32, 1).save_pretrained(tmp_path / "tiny")
+    monkeypatch.setattr(modeling_utils, "is_kernels_available", lambda *args, **kwargs: False, raising=False)
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
+    if Version(transformers.__version__) >= Version("5.25"):
+        with pytest.raises(ValueError, match="Kernels are not available"):
+            LlamaForCausalLM.from_pretrained(tmp_path / "tiny")
+    monkeypatch.setenv("USE_HUB_KERNELS", job.phase_env()["USE_HUB_KERNELS"])
+    assert LlamaForCausalLM.from_pretrained(tmp_path / "tiny").config.hidden_size == 32
