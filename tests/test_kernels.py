@@ -16,6 +16,7 @@ from dspark_hf.runtime.kernels import (
     can_prepack,
     is_prepacked,
     linear_kernels,
+    prepack_like,
     prepack_linears,
 )
 from dspark_hf.runtime.profiling import sps_cache_path
@@ -146,8 +147,12 @@ def test_sps_cache_tells_kernels_apart():
     assert sps_cache_path(stock) != sps_cache_path(packed)
 
 
-def test_greedy_dspark_on_prepacked_target_matches_plain_generate():
+@pytest.mark.parametrize("one_row", ONE_ROW_KERNELS)
+def test_greedy_dspark_on_prepacked_target_matches_plain_generate(one_row):
     target = prepack_linears(tiny_llama(64, 32, 2, seed=3, name="tiny"))
+    for m in target.modules():  # as choose_one_row_kernel leaves it
+        if hasattr(m, PACKED_ATTR):
+            getattr(m, PACKED_ATTR).use_one_row(one_row, m.weight)
     torch.manual_seed(1)
     drafter = DSparkDrafter(DSparkConfig.for_target(target, num_hidden_layers=1, sequential_head="markov",
                                                     sequential_rank=8, block_size=4, verification="fixed", mask_token_id=0))
@@ -157,5 +162,22 @@ def test_greedy_dspark_on_prepacked_target_matches_plain_generate():
     reference = target.generate(prompt, **kwargs)
     out = target.generate(prompt, **kwargs, assistant_model=drafter)
     assert torch.equal(out, reference)
-    assert is_prepacked(drafter)  # the drafter follows its target's kernels
+    drafter_packed = [getattr(m, PACKED_ATTR) for m in drafter.modules() if hasattr(m, PACKED_ATTR)]
+    assert len(drafter_packed) == sum(isinstance(m, torch.nn.Linear) for m in drafter.modules())
+    assert {p.one_row for p in drafter_packed} == {one_row}  # the drafter follows its target's kernels
     assert drafter.bound.packed is getattr(target.lm_head, PACKED_ATTR)  # all rows: the head's packed copy
+
+
+def test_prepack_like_leaves_a_stock_reference_alone_and_follows_a_packed_one():
+    stock, model = tiny_llama(32, 16, 1, name="tiny"), tiny_llama(32, 16, 1, seed=1, name="tiny")
+    assert prepack_like(model, stock) is model and not is_prepacked(model)
+    reference = prepack_linears(tiny_llama(32, 16, 1, name="tiny"))
+    for m in reference.modules():
+        if hasattr(m, PACKED_ATTR):
+            getattr(m, PACKED_ATTR).use_one_row("stock", m.weight)
+    x = torch.randn(1, 1, 16)
+    expected = model.model.layers[0].mlp.down_proj(model.model.layers[0].mlp.up_proj(x))
+    prepack_like(model, reference)
+    assert linear_kernels(model) == "onednn-prepacked+stock-row"
+    torch.testing.assert_close(model.model.layers[0].mlp.down_proj(model.model.layers[0].mlp.up_proj(x)), expected,
+                               rtol=0, atol=1e-5)

@@ -38,7 +38,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from ..modeling.limits import MAX_BLOCK_SIZE, VERIFICATION_MODES
 from ..modeling.modeling_dspark import DSparkDrafter
 from ..runtime.capture import LayerCapture
-from ..runtime.kernels import is_prepacked, prepack_linears
+from ..runtime.kernels import prepack_like
 from ..runtime.profiling import ensure_sps_curve
 from .calibration import CorrectedCalibration, OnlineCorrection
 from .lookup import LookupDrafting, RoundPlan, lookup_enabled, one_hot_logits
@@ -202,8 +202,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 "dspark_hf.decoding.concurrent (target.generate routes them there)."
             )
         self.drafter = drafter.bind(target)
-        if is_prepacked(target):  # the drafter runs the same CPU kernels as its target (no-op when done)
-            prepack_linears(self.drafter)
+        prepack_like(self.drafter, target)  # the drafter runs its target's CPU kernels (no-op when done)
         settings = call_settings(drafter, generation_config)
         self.block_size, self.mode, self.threshold = settings.block_size, settings.mode, settings.threshold
         self.policy = POLICIES[self.mode]()

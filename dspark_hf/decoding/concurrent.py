@@ -35,7 +35,7 @@ import torch
 from ..modeling.modeling_dspark import DSparkDrafter
 from ..modeling.outputs import DraftBlock
 from ..runtime.capture import LayerCapture
-from ..runtime.kernels import is_prepacked, prepack_linears
+from ..runtime.kernels import prepack_like
 from ..runtime.profiling import ensure_sps_curve
 from ..runtime.ragged import RaggedBatch, ragged_attention, ragged_forward
 from .alone import DRAFTER_SOURCES, forced_tokens, lookup_proposal
@@ -92,8 +92,8 @@ class ConcurrentDecoder:
                  lookup: bool = True):
         self.target = target
         self.drafter = drafter.bind(target) if drafter is not None else None
-        if drafter is not None and is_prepacked(target):
-            prepack_linears(self.drafter)
+        if drafter is not None:
+            prepack_like(self.drafter, target)  # the drafter runs its target's CPU kernels
         cfg = drafter.config if drafter is not None else None
         self.block_size = int(block_size or (cfg.block_size if cfg else 0))
         self.mode = verification or (cfg.verification if cfg else "fixed")

@@ -160,6 +160,30 @@ def prepack_linears(model: nn.Module, batch_size_hint: int = 8) -> nn.Module:
     return model
 
 
+def prepack_like(model: nn.Module, reference: nn.Module) -> nn.Module:
+    """Run ``model``'s linear layers on the kernels ``reference``'s run: prepacked, with the single-row kernel
+    :func:`choose_one_row_kernel` chose for ``reference``, when ``reference`` is prepacked; left as they are
+    otherwise (idempotent). The drafter follows its target this way (``DSparkCandidateGenerator``, the concurrent
+    engine): its Markov head's per-position product ``[1, r] x [r, V']`` and a 1-position context extension are
+    single rows. Measured on a 2-core AVX2 EPYC, 1 thread, the shipped drafter (γ = 7, 80 interleaved drafts): a
+    draft 12.35 ms with the target's choice (``transposed``) against 13.38 ms with single rows prepacked.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        As :func:`prepack_linears`.
+    """
+    kernel = next((getattr(m, PACKED_ATTR).one_row for m in reference.modules() if hasattr(m, PACKED_ATTR)), None)
+    if kernel is None:
+        return model
+    prepack_linears(model)
+    for m in model.modules():
+        if hasattr(m, PACKED_ATTR):
+            getattr(m, PACKED_ATTR).use_one_row(kernel, m.weight)
+    return model
+
+
 def pack_rows(head: nn.Module, rows: torch.Tensor, weight: torch.Tensor) -> PackedWeight | None:
     """The packed kernel a drafter uses for the target lm_head ``rows`` it shares (``[V', d]`` of ``weight``
     ``[V, d]``): the head's own packed copy when it shares all rows, a new one for a subset, ``None`` when the
