@@ -397,3 +397,40 @@ def test_what_lookup_needs_is_one_rule_read_by_generate_the_cli_and_the_bench():
         else:
             with pytest.raises(SystemExit, match="--lookup"):
                 check_settings(drafter, "fixed", gamma, lookup=True)
+
+
+def fitted_calibration(accepted: list[int], gamma: int = 4) -> SequentialTemperatureScaling:
+    """STS fitted on rounds that accepted ``accepted`` drafts (its report's survival rates are theirs)."""
+    confidences = torch.full((len(accepted), gamma), 0.5)
+    return SequentialTemperatureScaling().fit(confidences, torch.tensor(accepted))
+
+
+@pytest.mark.parametrize(("draft_ms", "opening"), [(30.0, "target"), (0.0, "dspark")])
+def test_the_opening_round_is_judged_by_the_drafters_average_block(draft_ms, opening):
+    """Before a first block, DSpark is judged by the calibration rounds' conditionals: 10 rounds accepting 0 x 6, 1,
+    1, 2, 4 drafts survive positions 1-4 at 0.4, 0.2, 0.1, 0.1, so c = 0.4, 0.5, 0.5, 1.0. At 60 ms alone and
+    66 + 30 ms for a drafted B = 2 round, Θ(ℓ = 1) = 1.4 / 96 ms < 1 / 60 ms: the target alone, and the first block
+    waits for a probe priced as any (96 / 60 - 1.4 = 0.2 plain rounds lost: ~20 rounds at 1 %). With the drafter's
+    pass free, 1.4 / 66 ms beats it: DSpark opens, as without a report."""
+    calibration = fitted_calibration([0] * 6 + [1, 1, 2, 4])
+    assert calibration.mean_conditionals() == pytest.approx([0.4, 0.5, 0.5, 1.0])
+    curve = tiny_sps_curve([60, 66, 80, 90, 100, 110, 120, 130, 140])
+    curve.draft_ms = draft_ms
+    state = LookupDrafting(calibration, curve, max_tokens=4, correction=OnlineCorrection())
+    ids = torch.tensor([[1, 2, 3]])  # no lookup match
+    wait = state.probe_wait(1000 / 60, 1000 / 96)
+    plans = [state.plan(ids, 4, room=4) for _ in range(wait + 1)]
+    if opening == "dspark":
+        assert plans[0].source == "dspark" and not plans[0].probe
+        return
+    assert wait in (20, 21)  # ceil(0.2 / 0.01) in float
+    assert [p.source for p in plans] == ["target"] * wait + ["dspark"] and plans[-1].probe
+    unreported = LookupDrafting(SequentialTemperatureScaling(temperatures=calibration.temperatures), curve, 4)
+    assert unreported.plan(ids, 4, room=4).source == "dspark"  # no report: DSpark opens, as before
+
+
+def test_mean_conditionals_follow_the_survival_rates_and_their_file():
+    calibration = fitted_calibration([0, 0, 1, 3], gamma=3)  # survival 0.5, 0.25, 0.25
+    assert calibration.mean_conditionals() == pytest.approx([0.5, 0.5, 1.0])
+    assert fitted_calibration([0, 0], gamma=2).mean_conditionals() == [0.0, 0.0]  # nothing survives position 1
+    assert SequentialTemperatureScaling(temperatures=[1.0, 1.0]).mean_conditionals() is None  # no report
