@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import tiny_llama
 
 from dspark_hf.cli import bench, calibrate, common, generate, profile
 from dspark_hf.cli import demo as demo_cli
@@ -107,6 +108,13 @@ def test_hub_id_offline_names_the_option(monkeypatch):
 def test_folder_that_is_not_a_drafter_is_named(monkeypatch, tmp_path):
     monkeypatch.setattr(common, "load_cli_target", lambda args: (None, None))
     with pytest.raises(SystemExit, match=f"--drafter {tmp_path}: this folder holds no drafter"):
+        cli.main(["generate", "hi", "--drafter", str(tmp_path)])
+
+
+def test_target_folder_as_drafter_is_named(monkeypatch, tmp_path):
+    monkeypatch.setattr(common, "load_cli_target", lambda args: (None, None))
+    tiny_llama(32, 16, 1).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit, match=f"--drafter {tmp_path}: {tmp_path} is not a DSpark drafter"):
         cli.main(["generate", "hi", "--drafter", str(tmp_path)])
 
 

@@ -268,9 +268,9 @@ def test_block_size_must_be_an_integer(target, drafter, prompts, forward_calls, 
 @pytest.mark.parametrize("setting", [{"dspark_verification": "bogus"}, {"dspark_block_size": 4},
                                      {"dspark_threshold": 0.3}])
 def test_dspark_settings_without_a_dspark_drafter_raise(target, prompts, forward_calls, setting):
-    with pytest.raises(ValueError, match="need a DSpark drafter"):
+    with pytest.raises(ValueError, match=f"^{next(iter(setting))} needs a DSpark drafter"):
         target.generate(prompts[1], max_new_tokens=4, do_sample=False, **setting)
-    with pytest.raises(ValueError, match="need a DSpark drafter"):
+    with pytest.raises(ValueError, match="needs a DSpark drafter"):
         target.generate(prompts[1], max_new_tokens=4, do_sample=False, assistant_model=tiny_llama(CYCLE_VOCAB, 32, 1),
                         **setting)
     assert not forward_calls

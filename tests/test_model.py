@@ -535,3 +535,11 @@ def test_v2_qk_norm_comes_before_rope_on_context_and_block_keys(target):
     with torch.no_grad():
         attn.k_norm.weight.mul_(2.0)
     assert not torch.allclose(attn.key_values(x, cos, sin)[0], k_ours)
+
+
+def test_a_target_folder_is_refused_as_a_drafter(tmp_path):
+    """A folder of another model (here a Llama, as a converted target is) was loaded as a randomly initialised
+    drafter (transformers only reported the mismatched weights); it is refused by name."""
+    tiny_llama(32, 16, 2).save_pretrained(tmp_path / "target")
+    with pytest.raises(ValueError, match=r"is not a DSpark drafter \(its config.json has model_type 'llama'"):
+        DSparkDrafter.from_pretrained(tmp_path / "target")

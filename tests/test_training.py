@@ -33,7 +33,7 @@ from dspark_hf.training import checkpoint as checkpoints
 from dspark_hf.training import trainer as training
 from dspark_hf.training.config import TrainConfig
 from dspark_hf.training.curve import inherited_curve, run_curve
-from dspark_hf.training.data import export_tokens, load_shards, prepare_data
+from dspark_hf.training.data import export_tokens, load_shards, prepare_data, shard_dirs
 from dspark_hf.training.losses import dspark_loss, expected_tau, greedy_survival, position_weights, tv_distance
 from dspark_hf.training.packing import FeatureBatcher, FeatureStore
 from dspark_hf.training.trainer import init_layers_from_target, reserved_mask_token, train
@@ -518,3 +518,19 @@ def test_the_curve_ends_at_the_final_validation(tmp_path):
     assert taus(run_curve(tmp_path / "log.jsonl", cfg, (3, val(1.3)))) == [(0, 0, 1.1), (2, 48, 1.2), (3, 72, 1.3)]
     assert taus(run_curve(tmp_path / "log.jsonl", cfg, (2, val(1.2)))) == [(0, 0, 1.1), (2, 48, 1.2)]
     assert taus(run_curve(tmp_path / "log.jsonl", cfg)) == [(0, 0, 1.1), (2, 48, 1.2)]
+
+
+def test_training_without_a_training_row_stops_with_the_fix(tiny_data, tmp_path):
+    """A data folder whose shards hold validation rows only (a small run: the queue serves held-out prompts first)
+    is refused by name before a drafter is built from no rows (which failed inside ``torch.bincount``)."""
+    target, out = tiny_data
+    held_out = tmp_path / "data"
+    for shard in shard_dirs(out):  # the fixture's shards, their validation rows only
+        rows = datasets.load_from_disk(str(shard)).filter(lambda s: s == "validation", input_columns="split")
+        rows.save_to_disk(str(held_out / shard.name))
+    n_val = len(FeatureStore.from_shards([held_out], "validation"))
+    assert n_val == len(FeatureStore.from_shards([out], "validation")) > 0
+    cfg = TrainConfig(data_dir=[str(held_out)], out_dir=str(tmp_path / "run"), num_hidden_layers=1, sequential_rank=8,
+                      block_size=4, num_context_layers=2, draft_vocab_size=16, mask_token_id=0, steps=1)
+    with pytest.raises(ValueError, match=rf"No training rows in .*data \({n_val} validation rows\).*--target_tokens"):
+        train(target, cfg, progress=False)

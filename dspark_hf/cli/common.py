@@ -62,10 +62,15 @@ def check_location(value, option: str, what: str) -> None:
 @contextmanager
 def loading(option: str, value, what: str, default: str):
     """Turn a failed ``from_pretrained`` of ``option value`` into a one-line exit in the command's terms: a folder
-    that holds no ``what``, or a Hub id that could not be fetched (offline, or no such repo). ``default`` says
-    what leaving the option out loads."""
+    that holds no ``what``, a Hub id that could not be fetched (offline, or no such repo), or a model that is not
+    what the option takes (the loader's ``ValueError``, e.g. a target folder as ``--drafter``, or a drafter that does
+    not fit the target). ``default`` says what leaving the option out loads."""
     try:
         yield
+    except ValueError as err:  # loaded, but not what the option takes (e.g. a target folder given as the drafter)
+        if value is None:
+            raise
+        sys.exit(f"{option} {value}: {err}")
     except OSError as err:
         if value is None:
             raise  # the default itself failed to load: not the user's input

@@ -146,5 +146,6 @@ def _reject_dspark_settings_without_drafter(generation_config):
     """``dspark_*`` settings only mean something with a DSpark drafter: refuse them otherwise."""
     given = [name for name in DSPARK_GENERATE_KWARGS if getattr(generation_config, name, None) is not None]
     if given:
-        raise ValueError(f"{', '.join(given)} need a DSpark drafter: pass assistant_model=DSparkDrafter... "
+        raise ValueError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} a DSpark drafter: pass "
+                         "assistant_model=DSparkDrafter... "
                          "or drop them.")

@@ -117,17 +117,26 @@ class DSparkDrafter(PreTrainedModel):
         Raises:
             FileNotFoundError: the argument looks like a local folder that does not exist (at once, naming
                 the directory it was resolved against; :func:`~dspark_hf.defaults.check_local_path`).
+            ValueError: its ``config.json`` is another model's (e.g. the target's ``"llama"``), in no format
+                :func:`~dspark_hf.hub.export.import_drafter` converts.
         """
         if EXTENSIONS.check_path is not None:
             EXTENSIONS.check_path(pretrained_model_name_or_path, "drafter")
         hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only") if k in kwargs}
-        if EXTENSIONS.import_checkpoint is not None:
-            config_file = cached_file(pretrained_model_name_or_path, "config.json", _raise_exceptions_for_missing_entries=False, **hub)
-            if config_file is not None:
-                config_dict = json.loads(Path(config_file).read_text())
+        config_file = cached_file(pretrained_model_name_or_path, "config.json", _raise_exceptions_for_missing_entries=False, **hub)
+        if config_file is not None:
+            config_dict = json.loads(Path(config_file).read_text())
+            if EXTENSIONS.import_checkpoint is not None:
                 model = EXTENSIONS.import_checkpoint(pretrained_model_name_or_path, config_dict, hub)
                 if model is not None:
                     return model.to(kwargs["dtype"]) if kwargs.get("dtype") not in (None, "auto") else model
+            model_type = config_dict.get("model_type", DSparkConfig.model_type)
+            if model_type != DSparkConfig.model_type:
+                raise ValueError(
+                    f"{pretrained_model_name_or_path} is not a DSpark drafter (its config.json has model_type "
+                    f"{model_type!r}; a target model goes first, as `target`, the drafter as `assistant_model`). Pass a "
+                    "DSpark drafter folder or Hub id (e.g. drafters/dspark-smollm2-135m-instruct), or train one with "
+                    "`dspark train`.")
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         file = cached_file(
             pretrained_model_name_or_path, CALIBRATION_FILE, _raise_exceptions_for_missing_entries=False, **hub

@@ -66,6 +66,22 @@ def reserved_mask_token(tokenizer, draft_vocab: torch.Tensor | None = None) -> i
 
 
 # ----------------------------------------------------------------------------------- training
+def check_rows(train_rows: FeatureStore, val_rows: FeatureStore, cfg: TrainConfig) -> None:
+    """Refuse data folders without a training row before anything is built from them.
+
+    The prompt queue serves the held-out conversations' prompts first (:mod:`dspark_hf.sources.prompt_queue`), so a
+    small ``target_tokens`` can fill every shard with validation rows.
+
+    Raises:
+        ValueError: ``train_rows`` is empty (the message names the folders, the rows found and the fix).
+    """
+    if len(train_rows) == 0:
+        raise ValueError(
+            f"No training rows in {', '.join(map(str, cfg.data_dir))} ({len(val_rows)} validation rows): the prompt "
+            "queue serves the held-out prompts first, so a small data run holds validation rows only. Generate more "
+            "data (a larger --target_tokens) and train again.")
+
+
 def build_drafter(target, cfg: TrainConfig, train_rows: FeatureStore, tokenizer=None) -> DSparkDrafter:
     """A fresh v2 drafter for ``target``; its draft vocabulary is chosen from the training responses (``train_rows``).
 
@@ -269,6 +285,7 @@ def _prepare(target, cfg: TrainConfig) -> _Run:
     generator = torch.Generator().manual_seed(cfg.seed)
     # the rows stay where the batches are built: memory-mapped on a CPU, in an accelerator's memory
     train_rows, val_rows = (FeatureStore.from_shards(cfg.data_dir, split, device) for split in ("train", "validation"))
+    check_rows(train_rows, val_rows, cfg)
     ckpt = recover_checkpoint(out)
     if ckpt is not None:
         drafter = DSparkDrafter.from_pretrained(ckpt).bind(target)
