@@ -165,8 +165,8 @@ def prepack_like(model: nn.Module, reference: nn.Module) -> nn.Module:
     :func:`choose_one_row_kernel` chose for ``reference``, when ``reference`` is prepacked; left as they are
     otherwise (idempotent). The drafter follows its target this way (``DSparkCandidateGenerator``, the concurrent
     engine): its Markov head's per-position product ``[1, r] x [r, V']`` and a 1-position context extension are
-    single rows. Measured on a 2-core AVX2 EPYC, 1 thread, the shipped drafter (γ = 7, 80 interleaved drafts): a
-    draft 12.35 ms with the target's choice (``transposed``) against 13.38 ms with single rows prepacked.
+    single rows. Measured on a 2-core AVX2 EPYC, 1 thread, the shipped drafter (γ = 7, 115 interleaved drafts): a
+    draft 13.85 ms with the target's choice (``transposed``) against 15.35 ms with single rows prepacked.
 
     Returns:
         ``model``.
