@@ -152,23 +152,6 @@ class SequentialTemperatureScaling:
         temps = torch.tensor(self.temperatures[:gamma], dtype=confidences.dtype, device=confidences.device)
         return scale_temperature(confidences, temps)
 
-    def mean_conditionals(self) -> list[float] | None:
-        """The drafter's average conditional acceptance at positions ``k = 1..γ`` on the rounds :meth:`fit` saw:
-        ``a[k] / a[k-1]`` of the report's ``survival_rate`` (``a[0] = 1``; ``0`` after a position no round
-        survived), or ``None`` without a report (built by hand, or loaded from a file that has none).
-
-        What an average prompt's drafts are worth before this prompt's first block is drafted (the round planner's
-        opening estimate, :class:`~dspark_hf.decoding.lookup.RoundPlanner`)."""
-        positions = (self.fit_report or {}).get("positions")
-        if not positions:
-            return None
-        out, previous = [], 1.0
-        for row in positions:
-            survival = float(row["survival_rate"])
-            out.append(min(1.0, survival / previous) if previous > 0 else 0.0)
-            previous = survival
-        return out
-
     def report(self, confidences: torch.Tensor, accepted: torch.Tensor, n_bins: int = 15) -> dict:
         """Per-position calibration and discrimination of raw vs. calibrated scores (paper §4, Figure 6).
 

@@ -41,11 +41,7 @@ Survival estimates (``a_j = Π_{i<=j} c_i``):
 * a DSpark draft at block position j: the calibrated confidence ``c'_j`` of the LAST DRAFTED block (as the
   ``"async"`` mode uses the previous block, paper §5.2), times the generation's online correction
   (:class:`~dspark_hf.decoding.calibration.OnlineCorrection`: what this prompt's verified drafts were worth
-  against their calibrated confidences). Until a first block is drafted, the estimate is the drafter's average
-  conditional acceptance on its calibration rounds (:meth:`~dspark_hf.SequentialTemperatureScaling.mean_conditionals`),
-  so on a CPU where a drafted round costs more than an average block repays, the opening round verifies the
-  target's token alone and the first block waits for a probe (or a lookup worth a hybrid); a calibration without
-  that report leaves the opening round to DSpark, as before.
+  against their calibrated confidences). Until a first block is drafted, the round proposes DSpark.
 
 Lossless: the plan is a function of the accepted text and of earlier rounds only; no draft of the round can
 change which proposal is made or how many tokens a lookup or hybrid round verifies (Appendix A: admitting a
@@ -265,8 +261,6 @@ class RoundPlanner:
         self.calibration = calibration
         self.correction = correction
         self.block_estimate: list[float] | None = None  # calibrated c' of the last drafted block (uncorrected)
-        # before the first block: the drafter's average conditionals on its calibration rounds (None: none saved)
-        self.opening_estimate = calibration.mean_conditionals() if calibration is not None else None
         self.block_age = 0  # rounds planned since that block was drafted
         self.probe_interval = REFRESH_ROUNDS  # the least rounds without a drafted block before a probe (probe_wait)
 
@@ -309,13 +303,11 @@ class RoundPlanner:
         return priced_wait(self.probe_interval, loss, MAX_PROBE_INTERVAL, PROBE_LOSS_BOUND)
 
     def dspark_estimate(self) -> list[float] | None:
-        """The DSpark conditionals the next plan reads: the last block's calibrated ``c'`` (before the first block,
-        the drafter's average conditionals, :attr:`opening_estimate`) with the current online correction applied
-        (``None`` before the first block of a drafter whose calibration has no report: DSpark is proposed)."""
-        estimate = self.block_estimate if self.block_estimate is not None else self.opening_estimate
-        if estimate is None or self.correction is None:
-            return estimate
-        return self.correction.apply(estimate)
+        """The DSpark conditionals the next plan reads: the last block's calibrated ``c'`` with the current online
+        correction applied (``None`` before the first block)."""
+        if self.block_estimate is None or self.correction is None:
+            return self.block_estimate
+        return self.correction.apply(self.block_estimate)
 
     def observe_block(self, confidences: torch.Tensor) -> None:
         """Keep the calibrated confidences ``(γ,)`` of the block just drafted as the next rounds' DSpark estimate."""
