@@ -91,8 +91,9 @@ def test_cache_round_trip(target, hf_home, monkeypatch):
     assert SPSCurve.from_json(first.to_json()) == first
     monkeypatch.undo()
     monkeypatch.setenv("HF_HOME", str(hf_home))
-    assert load_or_profile_sps(target, **{**KW, "max_tokens": 5}).max_tokens == 5  # a shorter one is a miss
-    assert SPSCurve.from_json(path.read_text()).max_tokens == 5
+    longer = load_or_profile_sps(target, **{**KW, "max_tokens": 5})  # a shorter one is extended
+    assert longer.max_tokens == 5 and longer.steps_per_s[:4] == first.steps_per_s
+    assert SPSCurve.from_json(path.read_text()) == longer
 
 
 def test_verify_step_leaves_cache_length_unchanged(target):
@@ -236,6 +237,27 @@ def test_out_of_budget_skips_further_contexts_but_not_the_primary(target, monkey
                                                     "max_repeats": 100, "time_budget_s": 10.0})
     assert list(curve.rows) == [8, 16]  # 8 used the time; the primary 16 still got its 2 sweeps; 32 skipped
     assert [ctx for _, ctx in calls].count(16) == 4 * 2
+
+
+def test_a_stored_curve_is_extended_to_more_tokens_keeping_its_rows(target, monkeypatch, hf_home):
+    """A call that verifies more tokens than the stored curve covers (the concurrent engine, a padded batch) used to
+    measure the whole curve again within the same budget, keeping fewer context rows and no online refinement. Now
+    only the missing sizes are timed, at every row, in proportion to the stored curve's largest size."""
+    stored = SPSCurve(steps_per_s=[100.0, 90.0, 80.0, 70.0], target_name="", device_name="cpu", dtype="float32",
+                      torch_version="x", context_len=8, n_params=1,
+                      context_curves={16: [60.0, 50.0, 40.0, 30.0], 61: [20.0, 18.0, 16.0, 14.0]},
+                      counts={8: [5, 3, 0, 1]}, observations=9, overhead_ms=2.5, draft_ms=4.0)
+    save_sps(stored, target)
+    calls = fake_timer(monkeypatch, lambda b, ctx, i: 10 + b * ctx)  # the machine now (slower than the stored curve)
+    curve = load_or_profile_sps(target, **{**KW, "max_tokens": 6})
+    assert {b for b, _ in calls} == {4, 5, 6}  # the anchor B = 4 and the missing sizes only
+    assert {ctx for _, ctx in calls} == {8, 16}  # 61 + 6 > 64 positions: not timed
+    assert curve.steps_per_s == pytest.approx([100.0, 90.0, 80.0, 70.0, 70.0 * 42 / 50, 70.0 * 42 / 58])
+    assert curve.context_curves[16] == pytest.approx([60.0, 50.0, 40.0, 30.0, 30.0 * 74 / 90, 30.0 * 74 / 106])
+    assert curve.context_curves[61][4:] == pytest.approx([14.0 * 74 / 90, 14.0 * 74 / 106])  # the nearest timed row's
+    assert curve.counts == {8: [5, 3, 0, 1, 0, 0]}
+    assert (curve.observations, curve.overhead_ms, curve.draft_ms) == (9, 2.5, 4.0)
+    assert SPSCurve.from_json(sps_cache_path(target, 8).read_text()) == curve
 
 
 # ------------------------------------------------------------------------------------- online refinement

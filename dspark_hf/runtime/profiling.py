@@ -33,6 +33,7 @@ the thread count is part of the cache key.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -55,6 +56,7 @@ from .targets import kernels_label
 __all__ = [
     "device_name",
     "ensure_sps_curve",
+    "extend_sps",
     "grow_cache",
     "load_or_profile_sps",
     "plot_sps",
@@ -229,13 +231,8 @@ def profile_sps(
     """
     limit = _check_profile_args(target, max_tokens, context_len, max_repeats, min_repeats)
     order = sorted({c for c in contexts if c > 0 and (limit is None or c + max_tokens <= limit)} | {context_len})
-    start = time.perf_counter()
-    kv, blocks = _prefilled_cache(target, order[0], max_tokens)
-    with tqdm(desc="Profiling SPS(B)", unit="sweep", disable=not progress) as bar:
-        for block in blocks:  # one untimed sweep: allocator, kernel selection
-            time_verify_step(target, kv, block)
-        rows, spread = _measure_rows(target, kv, blocks, order, context_len, start + time_budget_s, bar,
-                                     rel_tol=rel_tol, min_repeats=min_repeats, max_repeats=max_repeats)
+    rows, spread = _sweep_contexts(target, order, context_len, range(1, max_tokens + 1), time_budget_s, progress,
+                                   rel_tol=rel_tol, min_repeats=min_repeats, max_repeats=max_repeats)
     curve = SPSCurve(steps_per_s=rows.pop(context_len), context_len=context_len, context_curves=rows,
                      noisy=spread > NOISY_SPREAD, spread=spread, device_type=next(target.parameters()).device.type,
                      **_describe(target))
@@ -246,9 +243,70 @@ def profile_sps(
     return curve.smooth() if smooth else curve
 
 
-def _prefilled_cache(target: torch.nn.Module, context_len: int, max_tokens: int) -> tuple[DynamicCache, list[torch.Tensor]]:
+def extend_sps(target: torch.nn.Module, curve: SPSCurve, max_tokens: int, rel_tol: float = REL_TOL,
+               min_repeats: int = 3, max_repeats: int = 30, time_budget_s: float = 25.0,
+               progress: bool = True) -> SPSCurve:
+    """A copy of ``curve`` (raw, as stored) that covers ``B = 1..max_tokens``: the sizes it lacks are measured now,
+    every row and online refinement it has is kept (paper §3.2.2).
+
+    A call that verifies more tokens than the stored curve covers (a padded batch, the concurrent engine's merged
+    forwards of up to 32 tokens) used to measure the whole curve again within the same budget, which kept fewer
+    context rows (256 and 1k of 256-4k on a 2-core CPU) and dropped the online refinements. Here the sizes
+    ``B = m..max_tokens`` (``m = curve.max_tokens``, the anchor) are timed at each of the curve's context rows,
+    shortest first, as :func:`profile_sps` times its rows (same stopping rule and budget), and row ``r`` gets
+    ``SPS_r(B) = SPS_r(m) · new(B) / new(m)``: the new sizes in proportion to the anchor as measured in the same
+    sweeps, so a machine whose speed has drifted since the curve was measured does not bend it at ``m``. A row not
+    timed (out of the budget, or beyond ``max_position_embeddings``) takes the proportions of the nearest timed row.
+
+    Args:
+        target: the curve's target, on the device it was measured on.
+        curve: the stored curve; returned unchanged (a copy) when it already covers ``max_tokens``.
+        max_tokens: the largest ``B`` needed.
+        rel_tol / min_repeats / max_repeats / time_budget_s / progress: as :func:`profile_sps`.
+
+    Returns:
+        :class:`SPSCurve`: the longer curve (``noisy`` also set when the new sweeps were).
+
+    Raises:
+        ValueError: as :func:`profile_sps` for ``max_tokens`` at the curve's primary context.
+    """
+    anchor = curve.max_tokens
+    if max_tokens <= anchor:
+        return dataclasses.replace(curve)
+    limit = _check_profile_args(target, max_tokens, curve.context_len, max_repeats, min_repeats)
+    order = [c for c in curve.rows if limit is None or c + max_tokens <= limit]
+    measured, spread = _sweep_contexts(target, order, curve.context_len, range(anchor, max_tokens + 1),
+                                       time_budget_s, progress, rel_tol=rel_tol, min_repeats=min_repeats,
+                                       max_repeats=max_repeats)
+
+    def extended(ctx: int, row: list[float]) -> list[float]:
+        new = measured[min(measured, key=lambda k: abs(math.log2(ctx / k)))]  # its own, or the nearest timed row
+        return row + [row[-1] * s / new[0] for s in new[1:]]
+
+    rows = {ctx: extended(ctx, row) for ctx, row in curve.rows.items()}
+    return dataclasses.replace(
+        curve, steps_per_s=rows.pop(curve.context_len), context_curves=rows, spread=max(curve.spread, spread),
+        noisy=curve.noisy or spread > NOISY_SPREAD,
+        counts={ctx: n + [0] * (max_tokens - anchor) for ctx, n in curve.counts.items()})
+
+
+def _sweep_contexts(target: torch.nn.Module, order: Sequence[int], context_len: int, sizes: Sequence[int],
+                    time_budget_s: float, progress: bool, **stopping) -> tuple[dict[int, list[float]], float]:
+    """Prefill the shortest context of ``order`` (ascending, ``context_len`` among them), one untimed sweep over
+    the verification sizes ``sizes``, then :func:`_measure_rows` within ``time_budget_s``: ``({context:
+    steps_per_s of sizes}, the widest spread)``."""
+    start = time.perf_counter()
+    kv, blocks = _prefilled_cache(target, order[0], sizes)
+    with tqdm(desc="Profiling SPS(B)", unit="sweep", disable=not progress) as bar:
+        for block in blocks:  # one untimed sweep: allocator, kernel selection
+            time_verify_step(target, kv, block)
+        return _measure_rows(target, kv, blocks, order, context_len, start + time_budget_s, bar, **stopping)
+
+
+def _prefilled_cache(target: torch.nn.Module, context_len: int,
+                     sizes: Sequence[int]) -> tuple[DynamicCache, list[torch.Tensor]]:
     """The cache ``generate`` runs with, prefilled with ``context_len`` random tokens (seed 0; the global RNG is
-    untouched), and the random verification blocks ``[1, B]`` for ``B = 1..max_tokens``."""
+    untouched), and a random verification block ``[1, B]`` for each ``B`` of ``sizes``."""
     device = next(target.parameters()).device
     vocab = target.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(0)
@@ -256,7 +314,7 @@ def _prefilled_cache(target: torch.nn.Module, context_len: int, max_tokens: int)
     with torch.inference_mode():
         context = torch.randint(vocab, (1, context_len), generator=generator).to(device)  # (1, context_len)
         target(input_ids=context, cache=kv, use_cache=True)
-    blocks = [torch.randint(vocab, (1, b), generator=generator).to(device) for b in range(1, max_tokens + 1)]  # (1, B)
+    blocks = [torch.randint(vocab, (1, b), generator=generator).to(device) for b in sizes]  # (1, B)
     return kv, blocks
 
 
@@ -315,10 +373,12 @@ def load_or_profile_sps(
 ) -> SPSCurve:
     """The stored SPS curve for ``target`` on its device, profiling and storing it on a miss (paper §3.2.2).
 
-    A stored curve shorter than ``max_tokens`` counts as a miss (it is measured again, to ``max_tokens``).
+    A stored curve shorter than ``max_tokens`` is extended (:func:`extend_sps`: its missing sizes measured, its rows
+    and online refinements kept) and stored again.
 
     Args:
-        Same as :func:`profile_sps` (``profile_kwargs`` and ``progress`` matter only on a miss).
+        Same as :func:`profile_sps` (``profile_kwargs`` and ``progress`` matter only when something is measured;
+        an extension ignores ``contexts``).
 
     Returns:
         :class:`SPSCurve` (smoothed on request; the stored file keeps raw values).
@@ -332,12 +392,15 @@ def load_or_profile_sps(
     """
     path = sps_cache_path(target, context_len)
     curve = SPSCurve.from_json(path.read_text()) if path.is_file() else None
-    if curve is not None and curve.max_tokens >= max_tokens:
-        if curve.noisy and not curve.healed:  # healed: online refinement has replaced the noisy measurement
-            warnings.warn(_noisy_message(curve) + f" (cached in {path})", NoisySPSWarning, stacklevel=2)
-    else:
-        curve = profile_sps(target, max_tokens, context_len, smooth=False, cache=True, progress=progress,
-                            **profile_kwargs)
+    if curve is None:
+        return profile_sps(target, max_tokens, context_len, smooth=smooth, cache=True, progress=progress,
+                           **profile_kwargs)
+    if curve.max_tokens < max_tokens:
+        profile_kwargs.pop("contexts", None)  # the stored curve's rows are the ones extended
+        curve = extend_sps(target, curve, max_tokens, progress=progress, **profile_kwargs)
+        write_cache_file(path, curve.to_json())
+    if curve.noisy and not curve.healed:  # healed: online refinement has replaced the noisy measurement
+        warnings.warn(_noisy_message(curve) + f" (cached in {path})", NoisySPSWarning, stacklevel=2)
     return curve.smooth() if smooth else curve
 
 
