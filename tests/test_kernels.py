@@ -141,6 +141,30 @@ def test_unsupported_dtype_raises_naming_the_fix():
         prepack_linears(half)
 
 
+def test_bfloat16_stays_stock_on_a_cpu_without_onednns_bf16_path(monkeypatch):
+    """A new user's trial on an AVX2-only EPYC: load_target(dtype=torch.bfloat16), or a prepacked float32 target
+    moved to bf16, crashed in oneDNN's reorder ("bf16 path needs the cpu support avx_ne_convert or avx512bw ...").
+    Without that path a bf16 model is not prepacked, prepacking it names the fix, and a float32-prepacked model
+    converted to bf16 computes with stock linears."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+
+    def refuse_bf16(weight, *args):
+        if weight.dtype == torch.bfloat16:
+            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert ...")
+        return reorder(weight, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse_bf16)
+    bf16 = tiny_llama(32, 16, 1).to(torch.bfloat16)
+    assert not can_prepack(bf16) and can_prepack(tiny_llama(32, 16, 1))
+    with pytest.raises(ValueError, match=r"prepack=False"):
+        prepack_linears(bf16)
+    packed = prepack_linears(tiny_llama(32, 16, 1)).to(torch.bfloat16)
+    ids = torch.tensor([[1, 5, 7, 2]])
+    with torch.no_grad():
+        assert torch.equal(packed(ids).logits, bf16(ids).logits)  # the same weights (tiny_llama's seed), stock kernels
+
+
 def test_sps_cache_tells_kernels_apart():
     stock = tiny_llama(32, 16, 1, name="tiny")
     packed = prepack_linears(tiny_llama(32, 16, 1, name="tiny"))

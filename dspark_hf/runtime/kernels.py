@@ -26,7 +26,11 @@ from torch import nn
 from .tuning import TUNE_REPEATS, faster
 
 PACKED_ATTR = "_dspark_packed_weight"
-PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+def packable_dtypes() -> tuple[torch.dtype, ...]:
+    """Weight dtypes oneDNN can prepack on this CPU: float32, and bfloat16 where the CPU has oneDNN's bf16 path
+    (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): on an AVX2-only CPU its reorder raises "bf16 path needs the cpu support
+    avx_ne_convert or avx512bw, avx512vl and avx512dq", so bf16 linears stay stock there."""
+    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
 # how a single row (a decoding step) can run: oneDNN's prepacked kernel, stock ``F.linear`` (dot products with the
 # ``[out, in]`` rows), or ``x @ W^T`` on a ``[in, out]`` copy of the weight (rows of ``W^T`` scaled and summed)
 ONE_ROW_KERNELS = ("prepacked", "stock", "transposed")
@@ -38,10 +42,12 @@ def is_prepacked(model: nn.Module) -> bool:
 
 
 def can_prepack(model: nn.Module) -> bool:
-    """Whether :func:`prepack_linears` applies: torch has oneDNN and every linear weight is a CPU float32/bfloat16."""
+    """Whether :func:`prepack_linears` applies: torch has oneDNN and every linear weight is on the CPU in a dtype of
+    :func:`packable_dtypes` (float32; bfloat16 only on CPUs with oneDNN's bf16 path)."""
     weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    dtypes = packable_dtypes()
     return torch.backends.mkldnn.is_available() and bool(weights) and all(
-        w.device.type == "cpu" and w.dtype in PACKABLE_DTYPES for w in weights)
+        w.device.type == "cpu" and w.dtype in dtypes for w in weights)
 
 
 def linear_kernels(model: nn.Module) -> str:
@@ -105,7 +111,7 @@ class PackedWeight:
         if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):  # training: keep autograd
             return F.linear(x, weight, bias)
         if self.key != _weight_key(weight):
-            if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES or x.dtype != weight.dtype:
+            if weight.device.type != "cpu" or weight.dtype not in packable_dtypes() or x.dtype != weight.dtype:
                 return F.linear(x, weight, bias)
             self._repack(weight)
         if self.one_row != "prepacked" and x.numel() == x.shape[-1]:
@@ -132,7 +138,7 @@ def prepack_linears(model: nn.Module, batch_size_hint: int = 8) -> nn.Module:
     :func:`choose_one_row_kernel` keeps transposed copies for single rows.
 
     Args:
-        model: a module on the CPU in float32 or bfloat16 (patched in place; idempotent).
+        model: a module on the CPU in a dtype of :func:`packable_dtypes` (patched in place; idempotent).
         batch_size_hint: the row count oneDNN tunes the layout for (the block size + 1 is typical).
 
     Returns:
@@ -140,7 +146,7 @@ def prepack_linears(model: nn.Module, batch_size_hint: int = 8) -> nn.Module:
 
     Raises:
         RuntimeError: this torch build has no oneDNN (``torch.backends.mkldnn.is_available()``).
-        ValueError: a linear weight is not on the CPU or not float32/bfloat16 (the message names the fix).
+        ValueError: a linear weight is not on the CPU or not in :func:`packable_dtypes` (the message names the fix).
     """
     if not torch.backends.mkldnn.is_available():
         raise RuntimeError("prepack_linears needs a torch build with oneDNN (x86/ARM CPU wheels have it).")
@@ -149,10 +155,11 @@ def prepack_linears(model: nn.Module, batch_size_hint: int = 8) -> nn.Module:
         w = m.weight
         if w.device.type != "cpu":
             raise ValueError(f"prepack_linears is for CPU models; got a weight on {w.device}. Skip it on accelerators.")
-        if w.dtype not in PACKABLE_DTYPES:
+        if w.dtype not in packable_dtypes():
             raise ValueError(
-                f"prepack_linears supports float32 and bfloat16 weights, got {w.dtype}: convert the model first "
-                "(`model.float()` or `model.to(torch.bfloat16)`), or skip prepacking (`load_target(..., prepack=False)`)."
+                f"prepack_linears supports {' and '.join(str(d)[6:] for d in packable_dtypes())} weights on this CPU, "
+                f"got {w.dtype} (bfloat16 needs oneDNN's bf16 path: AVX-512 BW/VL/DQ or AVX-NE-CONVERT): convert the "
+                "model first (`model.float()`), or skip prepacking (`load_target(..., prepack=False)`)."
             )
     for m in linears:
         setattr(m, PACKED_ATTR, PackedWeight(m.weight, batch_size_hint))
