@@ -486,6 +486,8 @@ def test_right_padding_and_streamers_raise(target, drafter, forward_calls):
     (dict(temperature=0.7), r"- temperature: a generation setting; pass its processor in logits_processor="),
     (dict(max_requests=2), "- max_requests: pass max_concurrency="),
     (dict(verificaton="fixed"), r"- verificaton: neither a setting nor a generate keyword \(a typo\?\)"),
+    (dict(return_dict_in_generate=True), r"- return_dict_in_generate: not recorded; generate_concurrent returns"),
+    (dict(max_length=20), r"- max_length: pass max_new_tokens="),
 ])
 def test_generate_concurrent_refuses_generate_options_before_compute(target, drafter, forward_calls, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -563,11 +565,21 @@ def test_num_return_sequences_above_one_is_refused_every_way_in(target, drafter,
 def test_engine_rejects_bad_requests(target, drafter):
     with pytest.raises(ValueError, match="max_concurrency"):
         generate_concurrent(target, drafter, [[1]], max_concurrency=0)
-    with pytest.raises(ValueError, match="at least one token"):
+    with pytest.raises(ValueError, match="at least one prompt token"):
         generate_concurrent(target, drafter, [[1, 2], []], max_concurrency=1)
+    # a new user's trial: "2024" ran as the ids [2, 0, 2, 4]; text and an unwrapped prompt fail before any compute
+    for prompts in (["2024"], ["Hi there"], [1, 2, 3], [[1.0, 2.0]], torch.tensor([[[1, 2]]])):
+        with pytest.raises(ValueError, match=r"a prompt must be a sequence of token ids, .*a single prompt as \[ids\]"):
+            generate_concurrent(target, drafter, prompts, max_concurrency=1, max_new_tokens=2)
+    outputs, _ = generate_concurrent(target, drafter, [torch.tensor([1, 2]), (3, 4)], max_new_tokens=2,
+                                     verification="fixed")
+    assert outputs == [generate_concurrent(target, drafter, [p], max_new_tokens=2, verification="fixed")[0][0]
+                       for p in ([1, 2], [3, 4])]
     decoder = ConcurrentDecoder(target, drafter, verification="fixed")
     with pytest.raises(ValueError, match="prompt token"):
         decoder.add([], 4)
+    with pytest.raises(ValueError, match="sequence of token ids"):
+        decoder.add("12", 4)
     with pytest.raises(ValueError, match="max_new_tokens"):
         decoder.add([1], 0)
     with pytest.raises(ValueError, match="calibrated"):

@@ -14,7 +14,7 @@ from transformers import GenerationConfig
 
 from ..modeling.modeling_dspark import DSparkDrafter
 from .concurrent import ConcurrentDecoder
-from .request import Request
+from .request import Request, prompt_ids
 from .settings import _reject_stateful_processors, _validate_decoding_mode, call_block_size
 from .stats import BatchStats, publish_stats
 from .stopping import ROUND_EXACT_CRITERIA
@@ -40,16 +40,15 @@ def generate_concurrent(target, drafter: DSparkDrafter | None, prompts: Iterable
         (``stats[i]`` for prompt ``i``).
 
     Raises:
-        ValueError: ``max_concurrency < 1``, an empty prompt, a keyword of ``generate`` that is not a
+        ValueError: ``max_concurrency < 1``, a prompt that is not token ids or is empty
+            (:func:`~dspark_hf.decoding.request.prompt_ids`), a keyword of ``generate`` that is not a
             :class:`ConcurrentDecoder` setting (:func:`_decoder_settings`: beam search,
             ``num_return_sequences > 1``, a streamer...); as :class:`ConcurrentDecoder`.
     """
     decoder_kwargs = _decoder_settings(decoder_kwargs)
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}.")
-    queue = list(prompts)
-    if any(len(p) == 0 for p in queue):  # before any compute, not when the empty one's turn comes
-        raise ValueError("every prompt needs at least one token.")
+    queue = [prompt_ids(p) for p in prompts]  # checked before any compute, not when a bad one's turn comes
     decoder = ConcurrentDecoder(target, drafter, max_requests=max_concurrency, **decoder_kwargs)
     admitted = 0
     with decoder.running():
@@ -74,7 +73,11 @@ GENERATE_COUNTERPARTS = {
     "eos_token_id": "eos_token_ids=", "stop_strings": "stop=lambda request, ids: ... (True ends the request)",
     "stopping_criteria": "stop=lambda request, ids: ... (True ends the request)",
     "assistant_model": "the drafter as the second argument",
+    "max_length": "max_new_tokens= (each request's budget)",
 }
+# generate's output options: generate_concurrent returns (generated ids, BatchStats) and records no per-step tensors
+GENERATE_OUTPUTS = ("return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
+                    "output_hidden_states")
 
 
 def _decoder_settings(options: dict) -> dict:
@@ -85,8 +88,8 @@ def _decoder_settings(options: dict) -> dict:
 
     Raises:
         ValueError: beam search, ``num_return_sequences > 1``, or any other keyword that is not a setting, each
-            with what to pass instead (:data:`GENERATE_COUNTERPARTS`; a generation setting such as ``temperature``
-            goes into ``logits_processor=``).
+            with what to pass instead (:data:`GENERATE_COUNTERPARTS`; :data:`GENERATE_OUTPUTS` are not recorded; a
+            generation setting such as ``temperature`` goes into ``logits_processor=``).
     """
     mode = GenerationConfig(num_beams=options.get("num_beams") or 1,
                             do_sample=bool(options.get("do_sample"))).get_generation_mode()
@@ -96,6 +99,8 @@ def _decoder_settings(options: dict) -> dict:
         return {name: value for name, value in options.items() if name in DECODER_SETTINGS}
     fields = GenerationConfig().to_dict()
     fixes = [f"{name}: pass {GENERATE_COUNTERPARTS[name]}" if name in GENERATE_COUNTERPARTS else
+             f"{name}: not recorded; generate_concurrent returns (generated ids, BatchStats: every request's rounds), "
+             "and target.generate gives scores, logits and hidden states" if name in GENERATE_OUTPUTS else
              f"{name}: a generation setting; pass its processor in logits_processor=LogitsProcessorList([...]) "
              "(e.g. TemperatureLogitsWarper, TopKLogitsWarper; do_sample=True samples)" if name in fields else
              f"{name}: neither a setting nor a generate keyword (a typo?)" for name in others]

@@ -40,7 +40,7 @@ from ..runtime.profiling import ensure_sps_curve
 from ..runtime.ragged import RaggedBatch, ragged_attention, ragged_forward
 from .alone import DRAFTER_SOURCES, forced_tokens, lookup_proposal
 from .batch_costs import DraftGate, StepCosts, learnt_costs
-from .request import Request, RowOfBatch
+from .request import Request, RowOfBatch, prompt_ids
 from .scheduler import schedule_batch
 from .stats import BatchStats, RoundStats, StepStats
 from .verification import POLICIES, accept_drafts, unmet_need
@@ -146,12 +146,12 @@ class ConcurrentDecoder:
         built for a batch of ``rows`` (``generate``'s): the request is row ``row`` of it (:class:`RowOfBatch`).
 
         Raises:
-            ValueError: an empty prompt, ``max_new_tokens < 1``, or ``max_requests`` requests already in flight.
+            ValueError: a prompt that is not token ids or is empty (:func:`~dspark_hf.decoding.request.prompt_ids`),
+                ``max_new_tokens < 1``, or ``max_requests`` requests already in flight.
         """
         if len(self.active) >= self.max_requests:
             raise ValueError(f"{self.max_requests} requests are in flight (max_requests); step until one finishes.")
-        if len(prompt) == 0:
-            raise ValueError("a request needs at least one prompt token.")
+        prompt = prompt_ids(prompt)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
         request = Request(len(self.requests), prompt, int(max_new_tokens), self.num_layers, self, padding)

@@ -4,6 +4,7 @@ processors seen from its row (:class:`RowOfBatch`)."""
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Sequence
 
@@ -15,6 +16,24 @@ from .calibration import CorrectedCalibration, OnlineCorrection
 from .lookup_acceptance import lookup_prior
 from .stats import GenerationStats
 from .verification import POLICIES
+
+
+def prompt_ids(prompt) -> list[int]:
+    """One request's prompt as a list of token ids: a sequence of ints, or a 1-D integer tensor or array.
+
+    Raises:
+        ValueError: an empty prompt, or anything else (text, a bare int, floats, a 2-D tensor), naming the fix: a
+            string of digits read as ids would silently decode another prompt.
+    """
+    values = prompt.tolist() if hasattr(prompt, "tolist") else prompt
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not all(
+            isinstance(t, numbers.Integral) for t in values):
+        raise ValueError(f"a prompt must be a sequence of token ids, got {type(prompt).__name__} {str(prompt)[:40]!r}: "
+                         "tokenize it first (tok.apply_chat_template(chat, add_generation_prompt=True)['input_ids']), "
+                         "and pass one list of ids per request (a single prompt as [ids]).")
+    if not values:
+        raise ValueError("a request needs at least one prompt token.")
+    return [int(t) for t in values]
 
 
 class Request:
@@ -37,7 +56,7 @@ class Request:
                  padding: Sequence[int] = ()):
         """``decoder``: the engine it belongs to (its drafter, mode, sampling and lookup settings are read)."""
         self.index = index
-        self.ids = [int(t) for t in prompt]
+        self.ids = prompt_ids(prompt)
         self.prompt_length = len(self.ids)
         self.padding = [int(t) for t in padding]  # what logits processors and stop checks see before the prompt
         self.max_new_tokens = max_new_tokens
