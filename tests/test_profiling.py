@@ -396,9 +396,27 @@ def test_cli_profile_writes_the_engine_table(tmp_path, monkeypatch):
 
     curve = tiny_sps_curve([20.0, 25.0])
     monkeypatch.setattr(profile, "load_cli_target", lambda args: (None, None))
+    monkeypatch.setattr(profiling, "sps_cache_path", lambda target, context_len: tmp_path / "absent.json")
     monkeypatch.setattr(profiling, "load_or_profile_sps", lambda target, **kw: curve)
     cli.main(["profile", "--engine-table", "sglang", "--out", str(tmp_path / "sps.json")])
     assert json.loads((tmp_path / "sps.json").read_text()) == curve.engine_table("sglang")
+
+
+def test_cli_profile_refresh_keeps_the_sizes_the_stored_curve_has(target, monkeypatch, capsys):
+    """A new user's trial: after a curve was extended to B = 32 (a batch, the concurrent engine, --max-tokens 32),
+    `dspark profile --refresh` measured B = 1..8 again, so the next batch measured the rest once more."""
+    from dspark_hf.cli import main as cli
+    from dspark_hf.cli import profile
+
+    save_sps(wrong_curve(rows={1024: [8.0] * 5}), target)  # stored: B = 1..5 at context 256
+    asked = []
+    monkeypatch.setattr(profile, "load_cli_target", lambda args: (target, None))
+    monkeypatch.setattr(profile, "default_max_tokens", lambda: 3)
+    monkeypatch.setattr(profiling, "profile_sps", lambda target, **kw: asked.append(kw["max_tokens"]) or wrong_curve())
+    for extra in ([], ["--max-tokens", "4"]):
+        cli.main(["profile", "--refresh", "--json", *extra])
+    cli.main(["profile", "--refresh", "--json", "--context-len", "8"])  # no stored curve at this context
+    assert asked == [5, 4, 3]
 
 
 def test_one_machine_description_for_the_sps_key_the_bench_and_info(capsys):

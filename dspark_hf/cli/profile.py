@@ -18,6 +18,15 @@ def default_max_tokens() -> int:
     return json.loads(config.read_text())["block_size"] + 1 if config.is_file() else 8
 
 
+def stored_max_tokens(path: Path) -> int:
+    """The largest ``B`` to measure without ``--max-tokens``: :func:`default_max_tokens`, or more where the stored
+    curve at ``path`` covers more (a batch or the concurrent engine extended it), so ``--refresh`` keeps its sizes."""
+    from ..runtime.sps import SPSCurve
+
+    stored = SPSCurve.from_json(path.read_text()).max_tokens if path.is_file() else 0
+    return max(default_max_tokens(), stored)
+
+
 def run(args):
     from ..runtime.profiling import load_or_profile_sps, plot_sps, profile_sps, sps_cache_path
     from ..runtime.sps import DEFAULT_CONTEXTS
@@ -27,7 +36,8 @@ def run(args):
         forget_choices()
     target, _ = load_cli_target(args)
     contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else DEFAULT_CONTEXTS
-    kwargs = dict(max_tokens=args.max_tokens or default_max_tokens(), context_len=args.context_len,
+    path = sps_cache_path(target, args.context_len)
+    kwargs = dict(max_tokens=args.max_tokens or stored_max_tokens(path), context_len=args.context_len,
                   contexts=contexts, time_budget_s=args.time_budget)
     if args.refresh:  # profile_sps replaces the cached file
         curve = profile_sps(target, **kwargs)
@@ -40,7 +50,6 @@ def run(args):
     if args.json:
         print(curve.to_json())
         return
-    path = sps_cache_path(target, args.context_len)
     try:
         png = plot_sps(curve, Path(args.png) if args.png else path.with_suffix(".png"))
     except ModuleNotFoundError:  # matplotlib is an extra: the table is the answer, the plot a bonus
@@ -58,7 +67,8 @@ def add_parser(sub):
     p.add_argument("--refresh", action="store_true",
                    help="measure again (e.g. on a quiet machine): the kernel choices at this thread count, then the "
                         "curve, replacing the stored ones")
-    p.add_argument("--max-tokens", type=int, default=None, help="largest B (default: the shipped drafter's γ + 1)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="largest B (default: the shipped drafter's γ + 1, or the stored curve's largest B if more)")
     p.add_argument("--context-len", type=int, default=256, help="context of the primary row (part of the cache key)")
     p.add_argument("--contexts", default=None,
                    help="comma-separated context lengths, one row each (default: 256,1024,2048,4096 where they fit)")
