@@ -276,6 +276,15 @@ def test_dspark_settings_without_a_dspark_drafter_raise(target, prompts, forward
     assert not forward_calls
 
 
+def test_a_drafter_passed_by_name_raises_naming_the_loader(target, prompts, forward_calls, tmp_path):
+    """A new user's trial: assistant_model="drafters/..." failed in transformers with "'str' object has no attribute
+    'config'"."""
+    for name in ("drafters/dspark-smollm2-135m-instruct", tmp_path):
+        with pytest.raises(ValueError, match=r"assistant_model must be a loaded model.*DSparkDrafter.from_pretrained"):
+            target.generate(prompts[1], max_new_tokens=4, do_sample=False, assistant_model=name)
+    assert not forward_calls
+
+
 # ------------------------------------------------------------------------------------ 2. targets
 def test_quantized_lm_head_is_refused_at_bind(target, prompts, forward_calls):
     quantized = torch.ao.quantization.quantize_dynamic(copy.deepcopy(target), {torch.nn.Linear}, dtype=torch.qint8)

@@ -36,6 +36,7 @@ argument, this module reduces to passing it, and the replacing goes.
 from __future__ import annotations
 
 import inspect
+import os
 import weakref
 
 import torch
@@ -173,6 +174,9 @@ def _validate_generation_mode(self, *args, **kwargs):
     call = _SIGNATURES["_validate_generation_mode"].bind(self, *args, **kwargs).arguments
     generation_config = call["generation_config"]
     assistant = (call["generation_mode_kwargs"] or {}).get("assistant_model")
+    if isinstance(assistant, (str, os.PathLike)):  # transformers would fail on `.config` with an AttributeError
+        raise ValueError(f"assistant_model must be a loaded model, got the name {str(assistant)!r}: load a DSpark "
+                         "drafter first, dspark_hf.DSparkDrafter.from_pretrained(...), and pass it.")
     if type(assistant).__name__ == DSparkDrafter.__name__ and not isinstance(assistant, DSparkDrafter):
         assistant = call["generation_mode_kwargs"]["assistant_model"] = package_drafter(assistant)
     if isinstance(assistant, DSparkDrafter):

@@ -339,8 +339,9 @@ def _measure_rows(target, kv, blocks, order: Sequence[int], context_len: int, ha
 
 def _noisy_message(curve: SPSCurve) -> str:
     return (f"The SPS curve of {curve.target_name or 'this target'} is noisy (medians known only to "
-            f"±{100 * curve.spread:.0f} %): the machine has other load. It is used anyway and refined online from "
-            "each round's verification time; for a clean one run `dspark profile --refresh` on a quiet machine "
+            f"±{100 * curve.spread:.0f} %): the timings varied between sweeps (other load, or a VM whose speed "
+            "drifts). It is used anyway and refined online from each round's verification time; for a clean one run "
+            "`dspark profile --refresh` on a quiet machine "
             "(on a machine with other load use --threads 1: more torch threads than idle cores collapse).")
 
 
