@@ -571,8 +571,10 @@ def test_engine_rejects_bad_requests(target, drafter):
     for prompts in (["2024"], ["Hi there"], [1, 2, 3], [[1.0, 2.0]], torch.tensor([[[1, 2]]])):
         with pytest.raises(ValueError, match=r"a prompt must be a sequence of token ids, .*a single prompt as \[ids\]"):
             generate_concurrent(target, drafter, prompts, max_concurrency=1, max_new_tokens=2)
-    outputs, _ = generate_concurrent(target, drafter, [torch.tensor([1, 2]), (3, 4)], max_new_tokens=2,
-                                     verification="fixed")
+    outputs, stats = generate_concurrent(target, drafter, [torch.tensor([1, 2]), (3, 4)], max_new_tokens=2,
+                                         verification="fixed")
+    assert repr(stats) == f"BatchStats(2 requests, {len(stats.steps)} steps, tau={stats.tau:.2f}, " \
+                          f"mean_verified={stats.mean_verified:.2f})"
     assert outputs == [generate_concurrent(target, drafter, [p], max_new_tokens=2, verification="fixed")[0][0]
                        for p in ([1, 2], [3, 4])]
     decoder = ConcurrentDecoder(target, drafter, verification="fixed")

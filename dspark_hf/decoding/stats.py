@@ -152,6 +152,10 @@ class BatchStats:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def __repr__(self) -> str:  # the generated one printed every round and step (~20 kB for 3 short requests)
+        return (f"BatchStats({len(self.rows)} requests, {len(self.steps)} steps, tau={self.tau:.2f}, "
+                f"mean_verified={self.mean_verified:.2f})")
+
     @property
     def tau(self) -> float:
         """Mean tokens per round over every request's rounds (bonus included)."""
