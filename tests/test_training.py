@@ -534,3 +534,10 @@ def test_training_without_a_training_row_stops_with_the_fix(tiny_data, tmp_path)
                       block_size=4, num_context_layers=2, draft_vocab_size=16, mask_token_id=0, steps=1)
     with pytest.raises(ValueError, match=rf"No training rows in .*data \({n_val} validation rows\).*--target_tokens"):
         train(target, cfg, progress=False)
+    trained = tmp_path / "train-only"  # and the reverse: training rows without a held-out one (the GPU job's rehearsal)
+    for shard in shard_dirs(out):
+        rows = datasets.load_from_disk(str(shard)).filter(lambda s: s == "train", input_columns="split")
+        rows.save_to_disk(str(trained / shard.name))
+    cfg.data_dir = [str(trained)]
+    with pytest.raises(ValueError, match=r"No validation rows in .*train-only \(\d+ training rows\).*--data_dir"):
+        train(target, cfg, progress=False)

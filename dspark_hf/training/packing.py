@@ -146,7 +146,7 @@ class FeatureBatcher:
         self.store = store
         self.index = [r for r, (n, p) in enumerate(zip(store.n, store.p)) if n - p >= 2]
         if not self.index:
-            raise ValueError("No usable training rows (responses shorter than 2 tokens).")
+            raise ValueError(f"No usable rows among {len(store.n)} (every response is shorter than 2 tokens).")
         self.vocab_index = drafter.vocab_index.to(store.device)
         self.oov = drafter.draft_vocab.numel()
         self.gamma = block_size

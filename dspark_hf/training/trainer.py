@@ -73,13 +73,20 @@ def check_rows(train_rows: FeatureStore, val_rows: FeatureStore, cfg: TrainConfi
     small ``target_tokens`` can fill every shard with validation rows.
 
     Raises:
-        ValueError: ``train_rows`` is empty (the message names the folders, the rows found and the fix).
+        ValueError: ``train_rows`` or ``val_rows`` is empty (the message names the folders, the rows found and the
+            fix); validation scores every logged step and the final drafter, so it cannot be skipped.
     """
+    folders = ', '.join(map(str, cfg.data_dir))
     if len(train_rows) == 0:
         raise ValueError(
-            f"No training rows in {', '.join(map(str, cfg.data_dir))} ({len(val_rows)} validation rows): the prompt "
-            "queue serves the held-out prompts first, so a small data run holds validation rows only. Generate more "
-            "data (a larger --target_tokens) and train again.")
+            f"No training rows in {folders} ({len(val_rows)} validation rows): the prompt queue serves the held-out "
+            "prompts first, so a small data run holds validation rows only. Generate more data (a larger "
+            "--target_tokens) and train again.")
+    if len(val_rows) == 0:
+        raise ValueError(
+            f"No validation rows in {folders} ({len(train_rows)} training rows): training scores the drafter on "
+            "held-out rows. Add a folder that holds them to --data_dir (the first shards of a data run do: the "
+            "prompt queue serves the held-out prompts first).")
 
 
 def build_drafter(target, cfg: TrainConfig, train_rows: FeatureStore, tokenizer=None) -> DSparkDrafter:
