@@ -11,6 +11,7 @@ so rejections happen too. Everything is tiny and CPU-only.
 """
 
 import copy
+import dataclasses
 import random
 
 import pytest
@@ -787,6 +788,37 @@ def test_greedy_identical_when_drafting_costs_more_than_it_gains(target, drafter
     finally:
         curve.draft_ms = 0.0
     assert {"target", "lookup", "dspark"} <= set(sources), sources
+
+
+def test_the_prompts_context_extension_is_not_learnt_as_a_drafter_pass(target, prompts, monkeypatch):
+    """Issue #28: the call's first drafted round extends the drafter's context over the whole prompt, a cost of the
+    call paid once. Learnt as part of the pass, it seeded a fresh curve's draft cost at 2-3× a pass and Θ priced every
+    later drafted round that dear. On a fake clock where the prompt's extension takes 500 ms, a later catch-up 2 ms
+    and a pass 10 ms, every round's learnt pass is 10-12 ms and no round's overhead holds the 500 ms."""
+    from dspark_hf.decoding import candidate_generator
+
+    clock = [0.0]
+
+    def tick(seconds=1e-5):
+        clock[0] += seconds
+        return clock[0]
+
+    monkeypatch.setattr(candidate_generator, "time", type("FakeTime", (), {"perf_counter": staticmethod(tick)}))
+    drafter = ready_cycle_drafter(target, "markov")
+    extend, draft = drafter.extend_context, drafter.draft
+    monkeypatch.setattr(drafter, "extend_context",
+                        lambda context, features: (tick(0.5 if context.length == 0 else 0.002), extend(context, features)))
+    monkeypatch.setattr(drafter, "draft", lambda *a, **k: (tick(0.01), draft(*a, **k))[1])
+    drafter.set_sps_curve(dataclasses.replace(tiny_sps_curve(), online=True, context_len=8))
+    learnt = []
+    observe_round = drafter.sps_curve.observe_round
+    monkeypatch.setattr(drafter.sps_curve, "observe_round", lambda o, d=None: (learnt.append((o, d)), observe_round(o, d)))
+    prompt = torch.cat([prompts[1]] * 4, dim=1)  # a prompt of several positions
+    generate(target, prompt, drafter, "scheduler", 4, max_new=MAX_NEW)
+    passes = [d for _, d in learnt if d is not None]
+    assert len(passes) >= 2 and all(0.01 <= d < 0.0125 for d in passes), passes
+    assert max(o for o, _ in learnt) < 0.01
+    assert 10.0 <= drafter.sps_curve.draft_ms < 12.5
 
 
 # ------------------------------------------------------------------------ sampling with lookup drafts

@@ -234,6 +234,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._verify_context = 0  # tokens in the target's cache before the round's verification
         self._round_start = None  # when the last round's get_candidates began (its costs are learnt at the next)
         self._pass_seconds = None  # the last round's drafter pass (None: it did not draft)
+        self._prompt_seconds = 0.0  # the last round's extension of the drafter's context over the prompt
 
     @property
     def num_drafting_tokens(self) -> int:
@@ -289,6 +290,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
             logits = one_hot_logits(drafts, self.drafter.config.vocab_size) if self.do_sample else None
             return _Proposal(drafts, None, logits, plan.length)
         forced = torch.tensor(plan.lookup_tokens) if plan is not None and plan.source == "hybrid" else None
+        opening = self.context.length == 0  # the call's first drafted round: its catch-up is the whole prompt
         pass_start = time.perf_counter()
         context_tokens = self._catch_up_context()
         context_ms = 1e3 * (time.perf_counter() - pass_start)
@@ -296,7 +298,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
             self.context, int(input_ids[0, -1]), gamma, self.do_sample, self.logits_processor, input_ids,
             forced_tokens=forced,
         )
-        self._pass_seconds = time.perf_counter() - pass_start
+        self._prompt_seconds = context_ms / 1e3 if opening else 0.0
+        self._pass_seconds = time.perf_counter() - pass_start - self._prompt_seconds
         if self.lookup is not None:
             self.lookup.observe_block(block.confidences)
         scheduled = plan.length if forced is not None else self._prefix_length(block, gamma)
@@ -306,17 +309,25 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
     def _learn_round_costs(self, now: float):
         """At the start of a round (``now``, ``time.perf_counter()`` seconds): the previous round's wall-clock time
-        (recorded as its ``round_ms``) minus its verification and drafter pass (the context catch-up included) is
-        its overhead; both refine the curve's round costs (:meth:`~dspark_hf.SPSCurve.observe_round`) when the curve
-        learns online, so Θ weighs a drafter pass against rounds that skip it."""
+        (recorded as its ``round_ms``) minus its verification and drafter pass (the context catch-up of the rounds
+        since the last draft included) is its overhead; both refine the curve's round costs
+        (:meth:`~dspark_hf.SPSCurve.observe_round`) when the curve learns online, so Θ weighs a drafter pass against
+        rounds that skip it.
+
+        The call's first drafted round also extends the drafter's context over the whole prompt: a cost of the call
+        (~1 % of the target's prefill), paid once whichever rounds follow, so it is learnt as neither (the concurrent
+        engine leaves its catch-ups out of the pass too). Learnt as part of the pass it was the first observation of a
+        fresh curve, 2-3× a pass (2-core EPYC, 1 thread: 32.6 ms where a pass takes 14-16, a 48-token prompt's
+        extension 11.2 ms and a cold first pass), and every later call added one more, so Θ priced every drafted round
+        at ~31 ms instead of ~15."""
         last = self.stats.rounds[-1] if self.stats.rounds else None
         if last is not None and self._round_start is not None:
             last.round_ms = 1e3 * (now - self._round_start)
         if self.policy.needs_calibration and self.sps.online and self._round_start is not None and last is not None:
-            draft = self._pass_seconds or 0.0
+            draft = (self._pass_seconds or 0.0) + self._prompt_seconds
             overhead = max(now - self._round_start - last.verify_ms / 1e3 - draft, 0.0)
             self.sps.observe_round(overhead, self._pass_seconds)
-        self._round_start, self._pass_seconds = now, None
+        self._round_start, self._pass_seconds, self._prompt_seconds = now, None, 0.0
 
     def _start_verification(self, round_stats: RoundStats):
         """Record the round about to be verified and start its verify timer."""
