@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import hashlib
+import itertools
 import json
 import os
 import shlex
@@ -39,7 +40,7 @@ PHASES = (("target", 60), ("profile", 60), ("measure", 75), ("rebuild", 45), ("r
 SCALE = {  # per phase: the full job's sizes, the rehearsal's
     "profile": ([], ["--max-tokens", "4", "--context-len", "64", "--contexts", "64", "--time-budget", "3"]),
     "measure": (dict(prompts=4, max_new_tokens=128), dict(prompts=1, max_new_tokens=16)),
-    "rebuild": (dict(target_tokens=10**9), dict(target_tokens=1000)),
+    "rebuild": (dict(target_tokens=10**9), dict(target_tokens=1000, rows=4)),
     "regen": (dict(batch_size=256, max_new_tokens=192), dict(batch_size=2, max_new_tokens=16, max_shards=2)),
     "train": ({}, dict(steps=6, sequences_per_step=2, anchors_per_sequence=8, eval_every=3, val_sequences=2,
                        threads=1, warmup_steps=2)),
@@ -264,9 +265,13 @@ def phase_rebuild(seconds: int) -> None:
     from dspark_hf.training.data import prepare_data
 
     model, tokenizer = load_target()
-    t0, out = time.time(), WORK / "data" / "rebuilt"
+    t0, out, size, tokens = time.time(), WORK / "data" / "rebuilt", scale("rebuild"), TOKENS_FILE
+    if "rows" in size:  # the rehearsal: the first rows only (a stored shard is 32 rows of ~270 tokens, minutes on a CPU)
+        tokens = WORK / "tokens-head.jsonl.gz"
+        with gzip.open(TOKENS_FILE, "rt") as source, gzip.open(tokens, "wt") as head:
+            head.writelines(itertools.islice(source, size["rows"]))
     layers = spread_layer_ids(model.config.num_hidden_layers, 4)
-    prepare_data(model, tokenizer, out, layers, scale("rebuild")["target_tokens"], 32, queue=[], tokens_file=TOKENS_FILE)
+    prepare_data(model, tokenizer, out, layers, size["target_tokens"], 32, queue=[], tokens_file=tokens)
     save_result("rebuild", _stored(out) | {"seconds": round(time.time() - t0, 1)})
 
 
