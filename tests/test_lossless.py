@@ -265,6 +265,16 @@ def test_block_size_must_be_an_integer(target, drafter, prompts, forward_calls, 
     assert not forward_calls
 
 
+@pytest.mark.parametrize("threshold", ["0.5", True, 1.5])
+def test_threshold_must_be_a_number_in_the_unit_interval(target, drafter, prompts, forward_calls, threshold):
+    """A new user's trial: dspark_threshold="0.5" was accepted (float() of the string) where dspark_block_size="4" is
+    refused."""
+    with pytest.raises(ValueError, match=r"dspark_threshold must be a (number|probability) in \[0, 1\]"):
+        target.generate(prompts[1], max_new_tokens=4, do_sample=False, assistant_model=drafter,
+                        dspark_verification="threshold", dspark_block_size=4, dspark_threshold=threshold)
+    assert not forward_calls
+
+
 @pytest.mark.parametrize("setting", [{"dspark_verification": "bogus"}, {"dspark_block_size": 4},
                                      {"dspark_threshold": 0.3}])
 def test_dspark_settings_without_a_dspark_drafter_raise(target, prompts, forward_calls, setting):

@@ -26,6 +26,7 @@ every token of a verified round and the output is cut at the first stop, as plai
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -86,7 +87,10 @@ def call_settings(drafter: DSparkDrafter, generation_config) -> CallSettings:
     cfg = drafter.config
     block_size = call_block_size(generation_config, cfg.block_size)
     mode = _setting(generation_config, "dspark_verification", cfg.verification)
-    threshold = float(_setting(generation_config, "dspark_threshold", cfg.confidence_threshold))
+    threshold = _setting(generation_config, "dspark_threshold", cfg.confidence_threshold)
+    if isinstance(threshold, (str, bytes, bool)) or not isinstance(threshold, numbers.Real):  # as dspark_block_size
+        raise ValueError(f"dspark_threshold must be a number in [0, 1], got {threshold!r}")
+    threshold = float(threshold)
     _check_mode(drafter, mode, threshold, block_size)
     lookup = lookup_enabled(_setting(generation_config, "dspark_lookup", None), drafter, block_size, mode)
     return CallSettings(block_size=block_size, mode=mode, threshold=threshold, lookup=lookup)
