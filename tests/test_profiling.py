@@ -13,13 +13,12 @@ from dspark_hf.decoding.lookup import MARGIN, plan_round
 from dspark_hf.runtime import profiling, sps
 from dspark_hf.runtime.profiling import (
     load_or_profile_sps,
-    plot_sps,
     profile_sps,
     save_sps,
     sps_cache_path,
     time_verify_step,
 )
-from dspark_hf.runtime.sps import NoisySPSWarning, SPSCurve
+from dspark_hf.runtime.sps import NoisySPSWarning, SPSCurve, plot_sps
 
 KW = dict(max_tokens=4, context_len=8, contexts=(), min_repeats=2, max_repeats=2, progress=False)
 
@@ -423,10 +422,10 @@ def test_one_machine_description_for_the_sps_key_the_bench_and_info(capsys):
     """The SPS curve's device name, ``benchmarks.json``'s ``machine`` and ``dspark info`` read one description."""
     from dspark_hf.cli import info
     from dspark_hf.evaluation.bench_result import MachineRecord
-    from dspark_hf.runtime.machine import describe_machine
+    from dspark_hf.runtime.machine import describe_machine, device_name
 
     m = describe_machine()
-    assert profiling.device_name(torch.device("cpu")) == (  # the CPU model and instruction set are in the key
+    assert device_name(torch.device("cpu")) == (  # the CPU model and instruction set are in the key
         f"{m.cpu} {torch.backends.cpu.get_cpu_capability()} ({m.cores} cores, {torch.get_num_threads()} torch threads)")
     record = MachineRecord.current("dspark bench", "stock").to_json()
     assert list(record) == ["cpu", "cores", "torch_threads", "cuda", "torch", "transformers", "python", "platform",

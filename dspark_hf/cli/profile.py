@@ -28,8 +28,8 @@ def stored_max_tokens(path: Path) -> int:
 
 
 def run(args):
-    from ..runtime.profiling import load_or_profile_sps, plot_sps, profile_sps, sps_cache_path
-    from ..runtime.sps import DEFAULT_CONTEXTS
+    from ..runtime.profiling import load_or_profile_sps, profile_sps, sps_cache_path
+    from ..runtime.sps import DEFAULT_CONTEXTS, plot_sps
     from ..runtime.tuning import forget_choices
 
     if args.refresh:  # before loading: the target's kernel choices are timed (or read) as it loads

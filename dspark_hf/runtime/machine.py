@@ -1,6 +1,6 @@
 """The one description of the machine timings depend on: CPU, cores, torch threads, GPU and library versions.
 
-Read by the SPS profile (:func:`~dspark_hf.runtime.profiling.device_name`, part of the cached curve's key),
+Read by the SPS profile (:func:`device_name`, part of the cached curve's key),
 ``dspark bench`` (``benchmarks.json``'s ``machine``) and ``dspark info``.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Machine", "cpu_model", "describe_machine"]
+__all__ = ["Machine", "cpu_model", "describe_machine", "device_name"]
 
 
 def cpu_model() -> str:
@@ -88,3 +88,21 @@ def describe_machine() -> Machine:
         python=platform.python_version(),
         platform=platform.platform(),
     )
+
+
+def device_name(device: torch.device, machine: Machine | None = None) -> str:
+    """Human-readable name of the device timings depend on (part of the SPS cache key: keep it stable).
+
+    Args:
+        device: the target's device.
+        machine: the :class:`~dspark_hf.runtime.machine.Machine` to describe (default: this one, read now).
+
+    Returns:
+        CUDA: ``torch.cuda.get_device_name``; otherwise the CPU model, its instruction set, core count and torch's
+        intra-op thread count (which changes CPU timings as much as the chip does): :attr:`Machine.cpu_label`.
+    """
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type != "cpu":
+        return device.type
+    return (machine or describe_machine()).cpu_label

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
 import statistics
 import time
@@ -50,16 +49,14 @@ from transformers.cache_utils import DynamicLayer
 
 from ..defaults import cache_digest, cache_root, write_cache_file
 from .kv_cache import GrowingLayer, generation_cache
-from .machine import Machine, describe_machine
+from .machine import describe_machine, device_name
 from .targets import kernels_label
 
 __all__ = [
-    "device_name",
     "ensure_sps_curve",
     "extend_sps",
     "grow_cache",
     "load_or_profile_sps",
-    "plot_sps",
     "profile_sps",
     "save_sps",
     "sps_cache_path",
@@ -67,24 +64,6 @@ __all__ = [
 ]
 
 from .sps import DEFAULT_CONTEXTS, NOISY_SPREAD, REL_TOL, NoisySPSWarning, SPSCurve
-
-
-def device_name(device: torch.device, machine: Machine | None = None) -> str:
-    """Human-readable name of the device timings depend on (part of the SPS cache key: keep it stable).
-
-    Args:
-        device: the target's device.
-        machine: the :class:`~dspark_hf.runtime.machine.Machine` to describe (default: this one, read now).
-
-    Returns:
-        CUDA: ``torch.cuda.get_device_name``; otherwise the CPU model, its instruction set, core count and torch's
-        intra-op thread count (which changes CPU timings as much as the chip does): :attr:`Machine.cpu_label`.
-    """
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    if device.type != "cpu":
-        return device.type
-    return (machine or describe_machine()).cpu_label
 
 
 def _describe(target: torch.nn.Module) -> dict:
@@ -419,29 +398,3 @@ def ensure_sps_curve(target: torch.nn.Module, drafter, min_tokens: int, max_toke
         curve = load_or_profile_sps(target, max_tokens=max(min_tokens, max_tokens or 0))
         drafter.set_sps_curve(curve)
     return curve
-
-
-def plot_sps(curve: SPSCurve, path: str | os.PathLike) -> Path:
-    """Write a PNG of ``curve``: milliseconds per verification step against ``B``, one line per context row.
-
-    Needs matplotlib (imported here, not with the package). Returns the path written.
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(5.0, 3.4), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    sizes = range(1, curve.max_tokens + 1)
-    for context, row in curve.rows.items():
-        ax.plot(sizes, [1e3 / s for s in row], marker="o", markersize=3, label=f"context {context}")
-    ax.set_xlabel("B (tokens verified per target step)")
-    ax.set_ylabel("ms per verification step")
-    ax.set_ylim(bottom=0)
-    note = f" · NOISY (±{100 * curve.spread:.0f} %)" if curve.noisy else ""
-    ax.set_title(f"SPS curve · {curve.device_name}{note}", fontsize=9)
-    ax.legend(fontsize=8)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    return path

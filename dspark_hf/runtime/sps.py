@@ -1,14 +1,16 @@
 """``SPSCurve``: the target's measured steps per second when verifying ``B`` tokens at once, per context length,
 refined online from the verification times of real rounds (paper §3.2.2), and what a round costs besides the
-verification (bookkeeping, the drafter's pass), learnt the same way. Measuring the curve and caching it on disk is
-:mod:`dspark_hf.runtime.profiling`."""
+verification (bookkeeping, the drafter's pass), learnt the same way, and its plot (:func:`plot_sps`). Measuring the
+curve and caching it on disk is :mod:`dspark_hf.runtime.profiling`."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 FORMAT_VERSION = 2  # 2 added context_curves, noisy, spread, observations, counts, online; later overhead_ms, draft_ms
 # (with defaults: files without them load; version 1 files still load)
@@ -326,3 +328,29 @@ class SPSCurve:
                              f"{FORMAT_VERSION}); delete the file to re-profile.")
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in payload.items() if k in known})
+
+
+def plot_sps(curve: SPSCurve, path: str | os.PathLike) -> Path:
+    """Write a PNG of ``curve``: milliseconds per verification step against ``B``, one line per context row.
+
+    Needs matplotlib (imported here, not with the package). Returns the path written.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5.0, 3.4), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    sizes = range(1, curve.max_tokens + 1)
+    for context, row in curve.rows.items():
+        ax.plot(sizes, [1e3 / s for s in row], marker="o", markersize=3, label=f"context {context}")
+    ax.set_xlabel("B (tokens verified per target step)")
+    ax.set_ylabel("ms per verification step")
+    ax.set_ylim(bottom=0)
+    note = f" · NOISY (±{100 * curve.spread:.0f} %)" if curve.noisy else ""
+    ax.set_title(f"SPS curve · {curve.device_name}{note}", fontsize=9)
+    ax.legend(fontsize=8)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path
