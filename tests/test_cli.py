@@ -174,6 +174,17 @@ def test_every_option_and_argument_has_help():
     assert not missing, f"options without help text: {missing}"
 
 
+def test_settings_flags_list_the_dash_spelling_first():
+    """A new user's trial: `dspark bench --help` listed --max_new_tokens first where the README and every other
+    command write dashes. Both spellings still parse."""
+    firsts = [(command, action.option_strings) for command, action in _actions(cli.full_parser())
+              if len(action.option_strings) > 1 and "_" in action.option_strings[0]]
+    assert not firsts, firsts
+    parser = cli.full_parser()
+    for spelling in ("--max-new-tokens", "--max_new_tokens"):
+        assert parser.parse_args(["bench", spelling, "12"]).max_new_tokens == 12
+
+
 def test_version(capsys):
     from dspark_hf.defaults import __version__
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import sys
 import time
@@ -11,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..defaults import DEFAULT_BENCH_DRAFTERS
-from .common import _int_in, add_command, load_cli_target
+from .common import _int_in, add_command, dataclass_flags, load_cli_target
 
 if TYPE_CHECKING:
     from ..bench.settings import BenchSettings
@@ -125,15 +124,11 @@ def _levels(text: str) -> list[int]:
 def add_parser(sub):
     """``dspark bench``: :class:`~dspark_hf.bench.runner.BenchSettings` fields as flags (``HfArgumentParser``), plus
     what to run on and where to write; a settings flag that is not given leaves the dataclass default."""
-    from transformers import HfArgumentParser
-
     from ..bench.concurrency import ARMS, REPEATS
     from ..bench.settings import BenchSettings
     from ..bench.suites import OTHER_SUITES, SUITES
 
-    settings = HfArgumentParser(BenchSettings, add_help=False)
-    for action in settings._actions:
-        action.default = argparse.SUPPRESS  # absent unless given: --limit alone means a quick run
+    settings = dataclass_flags(BenchSettings)  # absent unless given: --limit alone means a quick run
     p = add_command(sub, NAME, run, HELP, kernels=True, compute=True, parents=[settings])
     p.add_argument("--drafters", default=DEFAULT_BENCH_DRAFTERS,
                    help="name=PATH,... (missing folders are skipped with a note); names 'dspark' and 'dflash' "

@@ -128,6 +128,19 @@ def load_models(args, need_drafter: bool = True):
     return target, tokenizer, drafter
 
 
+def dataclass_flags(dataclass_type) -> argparse.ArgumentParser:
+    """The fields of ``dataclass_type`` as flags (transformers' ``HfArgumentParser``), for a subcommand's
+    ``parents``: each flag absent unless given (its default stays the dataclass's or the config file's) and listed
+    dash-spelled first (``--max-new-tokens``, as the README writes it; ``--max_new_tokens`` still works)."""
+    from transformers import HfArgumentParser
+
+    flags = HfArgumentParser(dataclass_type, add_help=False)
+    for action in flags._actions:
+        action.default = argparse.SUPPRESS
+        action.option_strings.sort(key=lambda option: "_" in option)
+    return flags
+
+
 def add_command(sub, name, run, help, drafter=False, kernels=False, compute=False, parents=()):
     """A ``dspark NAME`` subparser whose ``run(args)`` is called, with the options the command shares."""
     p = sub.add_parser(name, help=help, parents=list(parents))

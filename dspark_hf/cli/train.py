@@ -9,7 +9,7 @@ import sys
 from dataclasses import fields
 
 from ..defaults import DEFAULT_TRAIN_CONFIG
-from .common import add_command
+from .common import add_command, dataclass_flags
 
 NAME = "train"
 EXTRA = "train"  # the optional dependencies it needs (pyproject.toml); dspark_hf.cli.main checks them first
@@ -78,13 +78,10 @@ def config_overrides(args) -> dict:
 def add_parser(sub):
     """``dspark train --config FILE``, plus every :class:`~dspark_hf.training.config.TrainConfig` field as a flag
     (``HfArgumentParser``: ``--lr 1e-3``, ``--max-minutes 30``...) that overrides the file."""
-    from transformers import HfArgumentParser
-
     from ..training.config import TrainConfig
 
-    config = HfArgumentParser(TrainConfig, add_help=False)
+    config = dataclass_flags(TrainConfig)  # absent unless given: the YAML value stays
     for action in config._actions:
-        action.default = argparse.SUPPRESS  # absent unless given: the YAML value stays
         if action.dest == "loss_weights":
             action.type = json.loads  # --loss-weights '{"ce": 1.0, "tv": 0.0, "conf": 1.0}'
     p = add_command(sub, NAME, run, HELP, parents=[config])
