@@ -88,7 +88,7 @@ def call_settings(drafter: DSparkDrafter, generation_config) -> CallSettings:
     block_size = call_block_size(generation_config, cfg.block_size)
     mode = _setting(generation_config, "dspark_verification", cfg.verification)
     threshold = _setting(generation_config, "dspark_threshold", cfg.confidence_threshold)
-    if isinstance(threshold, (str, bytes, bool)) or not isinstance(threshold, numbers.Real):  # as dspark_block_size
+    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real):  # refused as dspark_block_size='4' is
         raise ValueError(f"dspark_threshold must be a number in [0, 1], got {threshold!r}")
     threshold = float(threshold)
     _check_mode(drafter, mode, threshold, block_size)

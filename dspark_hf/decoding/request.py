@@ -56,7 +56,7 @@ class Request:
                  padding: Sequence[int] = ()):
         """``decoder``: the engine it belongs to (its drafter, mode, sampling and lookup settings are read)."""
         self.index = index
-        self.ids = prompt_ids(prompt)
+        self.ids = list(prompt)  # checked and converted by ConcurrentDecoder.add (prompt_ids)
         self.prompt_length = len(self.ids)
         self.padding = [int(t) for t in padding]  # what logits processors and stop checks see before the prompt
         self.max_new_tokens = max_new_tokens

@@ -26,14 +26,16 @@ from torch import nn
 from .tuning import TUNE_REPEATS, faster
 
 PACKED_ATTR = "_dspark_packed_weight"
+# how a single row (a decoding step) can run: oneDNN's prepacked kernel, stock ``F.linear`` (dot products with the
+# ``[out, in]`` rows), or ``x @ W^T`` on a ``[in, out]`` copy of the weight (rows of ``W^T`` scaled and summed)
+ONE_ROW_KERNELS = ("prepacked", "stock", "transposed")
+
+
 def packable_dtypes() -> tuple[torch.dtype, ...]:
     """Weight dtypes oneDNN can prepack on this CPU: float32, and bfloat16 where the CPU has oneDNN's bf16 path
     (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): on an AVX2-only CPU its reorder raises "bf16 path needs the cpu support
     avx_ne_convert or avx512bw, avx512vl and avx512dq", so bf16 linears stay stock there."""
     return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
-# how a single row (a decoding step) can run: oneDNN's prepacked kernel, stock ``F.linear`` (dot products with the
-# ``[out, in]`` rows), or ``x @ W^T`` on a ``[in, out]`` copy of the weight (rows of ``W^T`` scaled and summed)
-ONE_ROW_KERNELS = ("prepacked", "stock", "transposed")
 
 
 def is_prepacked(model: nn.Module) -> bool:
@@ -156,10 +158,11 @@ def prepack_linears(model: nn.Module, batch_size_hint: int = 8) -> nn.Module:
         if w.device.type != "cpu":
             raise ValueError(f"prepack_linears is for CPU models; got a weight on {w.device}. Skip it on accelerators.")
         if w.dtype not in packable_dtypes():
+            names = " and ".join(str(d).removeprefix("torch.") for d in packable_dtypes())
             raise ValueError(
-                f"prepack_linears supports {' and '.join(str(d)[6:] for d in packable_dtypes())} weights on this CPU, "
-                f"got {w.dtype} (bfloat16 needs oneDNN's bf16 path: AVX-512 BW/VL/DQ or AVX-NE-CONVERT): convert the "
-                "model first (`model.float()`), or skip prepacking (`load_target(..., prepack=False)`)."
+                f"prepack_linears supports {names} weights on this CPU, got {w.dtype} (bfloat16 needs oneDNN's bf16 "
+                "path: AVX-512 BW/VL/DQ or AVX-NE-CONVERT): convert the model first (`model.float()`), or skip "
+                "prepacking (`load_target(..., prepack=False)`)."
             )
     for m in linears:
         setattr(m, PACKED_ATTR, PackedWeight(m.weight, batch_size_hint))
