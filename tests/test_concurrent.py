@@ -25,6 +25,7 @@ from test_generation import (
     coin_flip_plan,
     cycle_prompt,
     exact_laws,
+    ready_cycle_drafter,
     sampling_drafter,
 )
 from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
@@ -215,6 +216,16 @@ def test_generate_concurrent_closed_loop_streams_and_frees_finished_requests(tar
     steady = [b for a, b in zip(stats.steps, stats.steps[1:])
               if not a.prefill and a.drafted == a.requests and not b.prefill and b.drafted == b.requests]
     assert steady and all(step.extend_ms == 0 for step in steady)
+
+
+def test_a_decoder_warms_its_drafter_once_per_block_size(target, monkeypatch):
+    drafter = ready_cycle_drafter(target, "markov")
+    real, passes = drafter.draft, []
+    monkeypatch.setattr(drafter, "draft", lambda context, anchor, gamma, *a, **k: (
+        passes.append(gamma), real(context, anchor, gamma, *a, **k))[1])
+    for block_size in (3, 3, 2):
+        ConcurrentDecoder(target, drafter, verification="fixed", block_size=block_size)
+    assert passes == [3, 2]
 
 
 def test_scheduled_modes_verify_anchors_only_in_a_step_that_prefills_a_newcomer(target, drafter):

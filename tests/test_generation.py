@@ -295,6 +295,16 @@ def test_block_size_defaults_to_config_per_call(target, drafters, prompts):
     check_stats(drafter, out, prompts[2].shape[1], MAX_NEW, 4, "fixed")
 
 
+def test_first_call_warms_the_drafter_once_before_its_first_round(target, prompts, monkeypatch):
+    drafter = ready_cycle_drafter(target, "markov")
+    real, passes = drafter.draft, []
+    monkeypatch.setattr(drafter, "draft", lambda *a, **k: (passes.append(1), real(*a, **k))[1])
+    for warm_up in (1, 0):  # the first call's warm-up pass, none in the second
+        generate(target, prompts[1], drafter, "fixed", 4)
+        assert len(passes) == warm_up + sum(r.drafted > 0 for r in drafter.last_stats.rounds) > warm_up
+        passes.clear()
+
+
 def test_untrained_drafter_is_still_lossless(target, prompts, references):
     """A randomly initialised drafter (drafts nearly always rejected) keeps greedy identity."""
     config = DSparkConfig.for_target(target, target_layer_ids=[0], num_hidden_layers=1, sequential_rank=8, mask_token_id=0)

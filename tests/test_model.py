@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModel
 
 import dspark_hf  # noqa: F401  (registers "dspark" with the Auto classes)
 from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling
+from dspark_hf.modeling.drafting import warm_up
 from dspark_hf.modeling.heads import MarkovHead, RNNHead
 from dspark_hf.modeling.modeling_dspark import CALIBRATION_FILE
 
@@ -132,6 +133,18 @@ def _w1(drafter, ids):
     """``W1[x]`` read straight from the table (out-of-draft-vocab ids use the last row)."""
     rows = drafter.vocab_index[ids]
     return drafter.token_table.weight[rows]
+
+
+def test_warm_up_drafts_once_per_block_size_and_draws_no_random_numbers(target, monkeypatch):
+    drafter = make_drafter(target)
+    real, gammas = drafter.draft, []
+    monkeypatch.setattr(drafter, "draft", lambda context, anchor, gamma, *a, **k: (
+        gammas.append((context.length, gamma)), real(context, anchor, gamma, *a, **k))[1])
+    state = torch.random.get_rng_state()
+    for gamma in (7, 7, 3, 7, 3):
+        warm_up(drafter, gamma)
+    assert gammas == [(8, 7), (4, 3)]  # each after a context of its own of γ + 1 positions, once per γ
+    assert torch.equal(torch.random.get_rng_state(), state)  # greedy: a sampled call's draws are not shifted
 
 
 @pytest.mark.parametrize("draft_vocab", [None, DRAFT_VOCAB])

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from ..modeling.drafting import warm_up
 from ..modeling.limits import MAX_BLOCK_SIZE, VERIFICATION_MODES
 from ..modeling.modeling_dspark import DSparkDrafter
 from ..runtime.capture import LayerCapture
@@ -208,6 +209,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.drafter = drafter.bind(target)
         prepack_like(self.drafter, target)  # the drafter runs its target's CPU kernels (no-op when done)
         settings = call_settings(drafter, generation_config)
+        warm_up(self.drafter, settings.block_size)  # once per drafter and γ: no round pays the kernels' set-up
         self.block_size, self.mode, self.threshold = settings.block_size, settings.mode, settings.threshold
         self.policy = POLICIES[self.mode]()
         if settings.needs_sps and (drafter.sps_curve is None or drafter.sps_curve.max_tokens <= self.block_size):

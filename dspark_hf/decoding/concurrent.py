@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from ..modeling.drafting import warm_up
 from ..modeling.modeling_dspark import DSparkDrafter
 from ..modeling.outputs import DraftBlock
 from ..runtime.capture import LayerCapture
@@ -100,6 +101,7 @@ class ConcurrentDecoder:
         self.threshold = float(threshold if threshold is not None else (cfg.confidence_threshold if cfg else 0.0))
         if drafter is not None:
             self._check_mode()
+            warm_up(self.drafter, self.block_size)  # once per drafter and γ: no step pays the kernels' set-up
         self.do_sample, self.lookup = do_sample, lookup
         self.processors = logits_processor if logits_processor is not None and len(logits_processor) else None
         if eos_token_ids is None:
