@@ -506,6 +506,12 @@ def test_generate_concurrent_refuses_generate_options_before_compute(target, dra
     assert not forward_calls
 
 
+def test_stop_strings_given_as_a_list_are_refused_before_compute(target, drafter, forward_calls):
+    with pytest.raises(TypeError, match=r"stop must be a function \(request, ids\) -> bool.*lambda request, ids"):
+        generate_concurrent(target, drafter, PROMPTS[:2], max_concurrency=2, max_new_tokens=4, stop=["."])
+    assert not forward_calls
+
+
 def test_generate_concurrent_refuses_beams_as_batched_generate_does(target, drafter, forward_calls):
     """One check, one message: beam search refused alike by the closed loop and by batched generate; num_beams=1
     and num_return_sequences=1 are the no-ops they are."""

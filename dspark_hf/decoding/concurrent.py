@@ -65,7 +65,7 @@ class ConcurrentDecoder:
             ``generation_config.eos_token_id`` (an id, a list of ids, or none), as plain ``generate`` stops;
             ``()`` for none.
         stop: ``(request, ids) -> bool`` called after each emitted token (stop strings, custom criteria); the
-            request ends there.
+            request ends there. A function, not a list of strings (``TypeError`` otherwise, naming the lambda).
         max_requests: ``R``, the most requests in flight at once (:meth:`add` refuses more); the scheduled modes'
             SPS curve is profiled up to ``R·(γ+1)`` tokens (at most :data:`MAX_PROFILED_TOKENS`).
         sps: the SPS curve the scheduled modes read when it covers those tokens (else, and by default,
@@ -77,6 +77,7 @@ class ConcurrentDecoder:
     Raises:
         ValueError: an unknown mode, a mode the drafter cannot run (no confidence head, no calibration covering
             γ), a threshold outside [0, 1], ``max_requests < 1``.
+        TypeError: ``stop`` is not callable (e.g. a list of stop strings).
 
     In the scheduled modes a step with one request in flight is the round the single-request path's planner would
     run (:mod:`dspark_hf.decoding.alone`: prompt lookup, DSpark, a hybrid of both or the target alone, by Θ at the
@@ -108,6 +109,9 @@ class ConcurrentDecoder:
             eos_token_ids = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
             eos_token_ids = [] if eos_token_ids is None else [eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids
         self.eos = {int(t) for t in eos_token_ids}
+        if stop is not None and not callable(stop):
+            raise TypeError(f"stop must be a function (request, ids) -> bool called after each token, got {stop!r}; "
+                            "for stop strings: stop=lambda request, ids: tokenizer.decode(ids).endswith(...).")
         self.stop = stop
         if max_requests < 1:
             raise ValueError(f"max_requests must be >= 1, got {max_requests}.")
