@@ -512,6 +512,14 @@ def test_stop_strings_given_as_a_list_are_refused_before_compute(target, drafter
     assert not forward_calls
 
 
+def test_a_threshold_given_to_another_mode_warns_in_batches_too(target, drafter):
+    ids, mask = left_padded(PROMPTS[:2])
+    with pytest.warns(UserWarning, match=r"threshold \(0.3\) is read by the 'threshold' verification mode only; "
+                                         r"this decoder verifies in the 'fixed' mode"):
+        target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=2,
+                        do_sample=False, dspark_verification="fixed", dspark_threshold=0.3)
+
+
 def test_generate_concurrent_refuses_beams_as_batched_generate_does(target, drafter, forward_calls):
     """One check, one message: beam search refused alike by the closed loop and by batched generate; num_beams=1
     and num_return_sequences=1 are the no-ops they are."""

@@ -13,6 +13,7 @@ so rejections happen too. Everything is tiny and CPU-only.
 import copy
 import dataclasses
 import random
+import warnings
 
 import pytest
 import torch
@@ -142,10 +143,15 @@ def check_stats(drafter, out, prompt_len, max_new, gamma, mode, threshold=THRESH
     assert stats.verification == mode
 
 
+def threshold_of(mode, threshold=THRESHOLD) -> dict:
+    """``dspark_threshold`` for the ``threshold`` mode only (the other modes warn that they ignore it)."""
+    return {"dspark_threshold": threshold} if mode == "threshold" else {}
+
+
 def generate(target, prompt, drafter, mode, gamma, max_new=MAX_NEW, **kwargs):
     kwargs.setdefault("dspark_lookup", False)  # DSpark's own rounds, unless a test asks for lookup (or its default)
     return target.generate(prompt, max_new_tokens=max_new, do_sample=False, assistant_model=drafter,
-                           dspark_verification=mode, dspark_block_size=gamma, dspark_threshold=THRESHOLD, **kwargs)
+                           dspark_verification=mode, dspark_block_size=gamma, **threshold_of(mode), **kwargs)
 
 
 # ------------------------------------------------------------------------------ greedy identity
@@ -303,6 +309,17 @@ def test_first_call_warms_the_drafter_once_before_its_first_round(target, prompt
         generate(target, prompts[1], drafter, "fixed", 4)
         assert len(passes) == warm_up + sum(r.drafted > 0 for r in drafter.last_stats.rounds) > warm_up
         passes.clear()
+
+
+def test_a_threshold_given_to_another_mode_warns_that_it_is_ignored(target, drafters, prompts):
+    drafter = drafters["markov"]
+    with pytest.warns(UserWarning, match=r"dspark_threshold=0.3 is read by dspark_verification='threshold' only; "
+                                         r"this call verifies in the 'async' mode"):
+        generate(target, prompts[1], drafter, "async", 4, dspark_threshold=0.3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        generate(target, prompts[1], drafter, "threshold", 4, max_new=4)
+    assert not [w for w in caught if "dspark_threshold" in str(w.message)]
 
 
 def test_untrained_drafter_is_still_lossless(target, prompts, references):
@@ -570,7 +587,7 @@ def sample_tables(target, prompt, drafter, mode, n, first_rounds=None, **kwargs)
     for _ in range(n):
         out = target.generate(prompt, max_new_tokens=4, do_sample=True, temperature=1.0, top_k=None,
                               assistant_model=drafter, dspark_verification=mode, dspark_block_size=4,
-                              dspark_threshold=THRESHOLD, **kwargs)
+                              **threshold_of(mode), **kwargs)
         t1, t2, t3 = out[0, 3:6].tolist()
         first_pair[t1, t2] += 1
         second_pair[t2, t3] += 1
@@ -913,7 +930,7 @@ def test_sampling_lookup_plans_are_made_before_drafting(target, drafters, lookup
     for head in HEADS:
         for prompt in lookup_prompts[:6]:
             out = target.generate(prompt, max_new_tokens=LOOKUP_NEW, do_sample=True, assistant_model=drafters[head],
-                                  dspark_verification=mode, dspark_block_size=7, dspark_threshold=THRESHOLD,
+                                  dspark_verification=mode, dspark_block_size=7, **threshold_of(mode),
                                   dspark_lookup=True)
             sources += check_lookup_stats(drafters[head], out, prompt.shape[1], LOOKUP_NEW, 7, mode)
     assert {"dspark", "lookup", "hybrid"} <= set(sources), sources

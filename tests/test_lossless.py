@@ -75,7 +75,8 @@ def references(target, prompts):
 
 def dspark(target, prompt, drafter, mode="fixed", gamma=7, max_new=MAX_NEW, **kwargs):
     return target.generate(prompt, max_new_tokens=max_new, do_sample=False, assistant_model=drafter,
-                           dspark_verification=mode, dspark_block_size=gamma, dspark_threshold=0.5, **kwargs)
+                           dspark_verification=mode, dspark_block_size=gamma,
+                           **({"dspark_threshold": 0.5} if mode == "threshold" else {}), **kwargs)
 
 
 # ---------------------------------------------------------------------- 1. stop strings, sampling

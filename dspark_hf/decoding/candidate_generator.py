@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import numbers
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -80,6 +81,9 @@ class CallSettings:
 def call_settings(drafter: DSparkDrafter, generation_config) -> CallSettings:
     """The DSpark settings of one call: ``dspark_*`` keywords of ``generate``, else the drafter's config.
 
+    Warns:
+        UserWarning: ``dspark_threshold`` given to a mode other than ``threshold`` (it is ignored).
+
     Raises:
         ValueError: an unknown verification mode, a threshold outside ``[0, 1]``, a non-``fixed`` mode without a
             confidence head, ``scheduler``/``async`` mode without a calibration covering γ; as
@@ -93,6 +97,9 @@ def call_settings(drafter: DSparkDrafter, generation_config) -> CallSettings:
         raise ValueError(f"dspark_threshold must be a number in [0, 1], got {threshold!r}")
     threshold = float(threshold)
     _check_mode(drafter, mode, threshold, block_size)
+    if mode != "threshold" and getattr(generation_config, "dspark_threshold", None) is not None:
+        warnings.warn(f"dspark_threshold={threshold} is read by dspark_verification='threshold' only; this call "
+                      f"verifies in the {mode!r} mode and ignores it.", UserWarning, stacklevel=2)
     lookup = lookup_enabled(_setting(generation_config, "dspark_lookup", None), drafter, block_size, mode)
     return CallSettings(block_size=block_size, mode=mode, threshold=threshold, lookup=lookup)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -79,6 +80,9 @@ class ConcurrentDecoder:
             γ), a threshold outside [0, 1], ``max_requests < 1``.
         TypeError: ``stop`` is not callable (e.g. a list of stop strings).
 
+    Warns:
+        UserWarning: a ``threshold`` with a mode other than ``threshold`` (it is ignored).
+
     In the scheduled modes a step with one request in flight is the round the single-request path's planner would
     run (:mod:`dspark_hf.decoding.alone`: prompt lookup, DSpark, a hybrid of both or the target alone, by Θ at the
     step rates at R = 1), a step with several drafts for all or none as a
@@ -100,6 +104,9 @@ class ConcurrentDecoder:
         self.block_size = int(block_size or (cfg.block_size if cfg else 0))
         self.mode = verification or (cfg.verification if cfg else "fixed")
         self.threshold = float(threshold if threshold is not None else (cfg.confidence_threshold if cfg else 0.0))
+        if threshold is not None and drafter is not None and self.mode != "threshold":
+            warnings.warn(f"A threshold ({threshold}) is read by the 'threshold' verification mode only; this decoder "
+                          f"verifies in the {self.mode!r} mode and ignores it.", UserWarning, stacklevel=2)
         if drafter is not None:
             self._check_mode()
             warm_up(self.drafter, self.block_size)  # once per drafter and γ: no step pays the kernels' set-up

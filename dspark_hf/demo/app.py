@@ -215,8 +215,9 @@ def _generation_handler(target, tokenizer, drafter, stop: threading.Event, inter
             return
         stop.clear()
         ids = chat_ids(tokenizer, prompt)
-        settings = dict(dspark_block_size=int(gamma), dspark_verification=mode, dspark_threshold=float(threshold),
-                        dspark_lookup=bool(lookup))
+        settings = dict(dspark_block_size=int(gamma), dspark_verification=mode, dspark_lookup=bool(lookup))
+        if mode == "threshold":  # the slider is read by that mode only (other modes warn that they ignore it)
+            settings["dspark_threshold"] = float(threshold)
         status = f"Generating with DSpark ({mode}, γ={int(gamma)})…"
         yield frame(Transcript(tokenizer), None, [], status)
         last_plot, result = 0.0, None
