@@ -2,17 +2,47 @@
 
 They are plain functions (``from conftest import tiny_llama``; pytest puts ``tests/`` on ``sys.path``) plus three
 fixtures: ``one_thread``, which a module opts into with ``pytestmark = pytest.mark.usefixtures("one_thread")``,
-``forward_calls``, which counts the forward passes of the module's ``target`` fixture, and ``kernel_choices_here``,
-which every test gets.
+``forward_calls``, which counts the forward passes of the module's ``target`` fixture, and ``kernel_choices_here`` and
+``hf_home_of_the_tests``, which every test gets.
 Every builder seeds torch itself, so a module gets the same weights whichever test builds them first.
 """
+
+import os
+import shutil
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dspark_hf import DSparkConfig, DSparkDrafter, SequentialTemperatureScaling, SPSCurve
+from dspark_hf.defaults import cache_root
 from dspark_hf.runtime import tuning
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hf_home_of_the_tests(tmp_path_factory):
+    """The tests' own ``HF_HOME``: the user's SPS curves copied in (the default target's tests read the stored profile
+    rather than time one), everything else linked (the converted target, read only). A curve a test stores (a tiny
+    target's, or the real one refined online under the tests' load) stays in the copy and never reaches the user's."""
+    user = cache_root()
+    home = tmp_path_factory.mktemp("hf_home")
+    user_home = user.parent
+    for entry in user_home.iterdir() if user_home.is_dir() else ():
+        if entry.name != user.name:
+            (home / entry.name).symlink_to(entry)
+    (home / user.name).mkdir()
+    for entry in user.iterdir() if user.is_dir() else ():
+        if entry.name == "sps":
+            shutil.copytree(entry, home / user.name / "sps", ignore=shutil.ignore_patterns("*.png"))
+        else:
+            (home / user.name / entry.name).symlink_to(entry)
+    before = os.environ.get("HF_HOME")
+    os.environ["HF_HOME"] = str(home)
+    yield home
+    if before is None:
+        del os.environ["HF_HOME"]
+    else:
+        os.environ["HF_HOME"] = before
 
 
 @pytest.fixture(scope="module")
