@@ -29,6 +29,7 @@ from test_generation import (
     chi_square,
     ready_cycle_drafter,
     sampling_drafter,
+    threshold_of,
 )
 from tokenizers import Tokenizer, decoders, models
 from transformers import (
@@ -75,8 +76,7 @@ def references(target, prompts):
 
 def dspark(target, prompt, drafter, mode="fixed", gamma=7, max_new=MAX_NEW, **kwargs):
     return target.generate(prompt, max_new_tokens=max_new, do_sample=False, assistant_model=drafter,
-                           dspark_verification=mode, dspark_block_size=gamma,
-                           **({"dspark_threshold": 0.5} if mode == "threshold" else {}), **kwargs)
+                           dspark_verification=mode, dspark_block_size=gamma, **threshold_of(mode, 0.5), **kwargs)
 
 
 # ---------------------------------------------------------------------- 1. stop strings, sampling
