@@ -38,8 +38,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LIMIT_MIB = 64.0
 HEADROOM_MIB = 1.0  # kept free in each call (the device's own accounting may differ by a few files)
-# what the GPU machine lacks (its image: transformers 5.17, no gguf / datasets); versions as in this venv
-WHEELS = ("transformers", "gguf", "datasets", "dill", "multiprocess")
+# what the GPU machine lacks, versions as in this venv. Its image has transformers 5.17 with huggingface_hub 1.33 and no
+# gguf / datasets; transformers >= 5.24 needs huggingface_hub >= 2.4, which talks HTTP through httpx2 (httpcore2,
+# truststore), none of them in the image (docs/training.md, "GPU job")
+WHEELS = ("transformers", "huggingface_hub", "httpx2", "httpcore2", "truststore", "gguf", "datasets", "dill",
+          "multiprocess")
 PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64")
 N_PROMPTS = 8  # held-out chat prompts for the device's measurements
 
