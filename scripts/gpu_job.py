@@ -34,6 +34,9 @@ WORK = STAGE / "work"
 DEVICE = os.environ.get("DEVICE", "cuda")
 TINY = os.environ.get("JOB_SCALE", "full") == "tiny"  # the CPU rehearsal: every phase end to end, tiny sizes
 JOB_SECONDS = float(os.environ.get("JOB_SECONDS", 540))
+# JOB_PHASES: the phases to run, in PHASES order, each optionally with its own limit ("target,regen:75,train:80");
+# default all. pack always runs. For a short rerun: a session's device time left after the first job.
+JOB_PHASES = os.environ.get("JOB_PHASES", "")
 PACK_RESERVE = 30  # seconds kept for the pack phase
 # (name, time limit in s), cheapest proof first; train's limit is the time left (see main)
 PHASES = (("target", 60), ("profile", 60), ("measure", 75), ("rebuild", 45), ("regen", 100), ("train", None))
@@ -154,6 +157,18 @@ def run_phase(name: str, limit: float) -> dict:
     return record
 
 
+def chosen_phases() -> list[tuple[str, float | None]]:
+    """``(name, limit)`` of the phases JOB_PHASES names (all of PHASES when unset), in PHASES order."""
+    if not JOB_PHASES:
+        return list(PHASES)
+    asked = dict((name, float(limit) if limit else None) for name, _, limit in
+                 (item.strip().partition(":") for item in JOB_PHASES.split(",")))
+    unknown = set(asked) - {name for name, _ in PHASES}
+    if unknown:
+        raise SystemExit(f"JOB_PHASES names unknown phases {sorted(unknown)}; known: {[n for n, _ in PHASES]}")
+    return [(name, asked[name] or nominal) for name, nominal in PHASES if name in asked]
+
+
 def main() -> None:
     t0 = time.time()
     deadline = t0 + JOB_SECONDS
@@ -167,7 +182,7 @@ def main() -> None:
         return
     summary["setup"] = assemble(manifest) | {"seconds": round(time.time() - t0, 1)}
     summary["phases"] = []
-    for name, nominal in (*PHASES, ("pack", PACK_RESERVE)):
+    for name, nominal in (*chosen_phases(), ("pack", PACK_RESERVE)):
         left = deadline - time.time() - (0 if name == "pack" else PACK_RESERVE)
         limit = left if nominal is None else min(nominal, left)
         if limit < 5:
